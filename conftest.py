@@ -1,0 +1,28 @@
+"""Test-session switch between numba's CUDA simulator (default) and a real GPU.
+
+The simulator must be chosen before numba is imported, so this root conftest sets
+``NUMBA_ENABLE_CUDASIM`` from ``DDTREE_GPU``:
+
+* ``pytest``                  -> simulator (CPU only; ``gpu``-marked tests are skipped)
+* ``DDTREE_GPU=1 pytest``     -> the same suite on the real GPU, plus the ``gpu`` tests
+"""
+
+import os
+
+ON_GPU = os.environ.get("DDTREE_GPU", "0") == "1"
+os.environ["NUMBA_ENABLE_CUDASIM"] = "0" if ON_GPU else "1"
+
+import pytest  # noqa: E402
+
+
+def pytest_report_header(config):
+    return f"ddtree_numba: {'real GPU (DDTREE_GPU=1)' if ON_GPU else 'CUDA simulator'}"
+
+
+def pytest_collection_modifyitems(config, items):
+    if ON_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a real GPU: run with DDTREE_GPU=1")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

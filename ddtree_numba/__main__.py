@@ -1,0 +1,61 @@
+"""Command line: ``python -m ddtree_numba demo`` (the main job) and ``... info``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ._platform import choose_backend
+
+
+def _info() -> int:
+    backend = choose_backend()
+    import numba
+    import numpy as np
+    from numba import cuda
+
+    print(f"ddtree_numba backend: {backend}")
+    print(f"numba {numba.__version__}, numba-cuda "
+          f"{getattr(cuda, '__version__', None) or _dist_version('numba-cuda')}, "
+          f"numpy {np.__version__}")
+    if backend == "gpu":
+        dev = cuda.get_current_device()
+        print(f"GPU: {dev.name.decode() if isinstance(dev.name, bytes) else dev.name}, "
+              f"compute capability {dev.compute_capability}")
+    else:
+        print("no GPU used: kernels run on numba's CUDA simulator (tiny sizes, slow)")
+    return 0
+
+
+def _dist_version(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ddtree_numba")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="greedy DDTree decoding of a toy target (main job)")
+    demo.add_argument("--bs", type=int, default=2)
+    demo.add_argument("--steps", type=int, default=6)
+    demo.add_argument("--depth", type=int, default=4, help="L, draft positions per step")
+    demo.add_argument("--topk", type=int, default=4, help="K, tokens kept per depth")
+    demo.add_argument("--budget", type=int, default=16, help="B, draft nodes per tree")
+    demo.add_argument("--confidence", type=float, default=3.0, help="drafter agreement knob")
+    demo.add_argument("--seed", type=int, default=0)
+    sub.add_parser("info", help="numba-cuda version, GPU or simulator")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return _info()
+    backend = choose_backend()
+    from .demo import run_demo
+
+    print(f"ddtree_numba demo on the {backend}\n")
+    run_demo(bs=args.bs, steps=args.steps, L=args.depth, k=args.topk, budget=args.budget,
+             confidence=args.confidence, seed=args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

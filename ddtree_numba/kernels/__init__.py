@@ -1,0 +1,24 @@
+"""numba.cuda kernels, one module per stage, with the same functions as the references.
+
+Each launcher accepts numpy arrays or device arrays (numba, CuPy, torch: anything with the CUDA
+Array Interface), validates them with :mod:`ddtree_numba.validation`, launches on the current
+stream (:func:`use_stream`) without synchronising, and returns device arrays.
+"""
+
+from ._device import SIMULATOR, as_device, use_stream
+from .build_tree import allocate_tree, build_tree
+from .commit_kv import commit_kv
+from .draft_topk import draft_topk
+from .tree_accept import allocate_accept, tree_accept
+
+__all__ = [
+    "SIMULATOR",
+    "allocate_accept",
+    "allocate_tree",
+    "as_device",
+    "build_tree",
+    "commit_kv",
+    "draft_topk",
+    "tree_accept",
+    "use_stream",
+]

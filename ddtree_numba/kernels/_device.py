@@ -1,0 +1,120 @@
+"""Device-array plumbing shared by the kernel launchers.
+
+* :data:`SIMULATOR` says whether numba runs kernels on its CPU simulator
+  (``NUMBA_ENABLE_CUDASIM=1``): no warp intrinsics, no bfloat16 there, so launchers pick the
+  simulator-runnable variant.
+* :func:`as_device` accepts numpy arrays and any CUDA Array Interface array (numba, CuPy,
+  torch) without copying device data; bfloat16 travels as its raw ``uint16`` bits.
+* :func:`launch_stream` gives the stream launches go to (the default stream, or the one a
+  caller set with :func:`use_stream`, e.g. a CuPy stream during CUDA-graph capture).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+
+import numpy as np
+from numba import config, cuda
+
+from ..validation import BFLOAT16
+
+SIMULATOR: bool = bool(config.ENABLE_CUDASIM)
+
+if SIMULATOR:
+    # The simulator runs each CUDA thread as a Python thread and each syncthreads() as a
+    # barrier; with CPython's default 5 ms GIL switch interval a block-wide barrier costs
+    # milliseconds. A 50 us interval makes barrier-heavy kernels ~8x faster to simulate.
+    sys.setswitchinterval(min(sys.getswitchinterval(), 5e-5))
+
+    def _serialise_shared_allocations():
+        """numba-cuda 0.30's simulator allocates ``cuda.shared.array`` with an unlocked
+        check-then-set keyed by source line: two threads of a block can each get their own
+        array and never see each other's writes. Take a lock around it (the same class of
+        race as NVIDIA/numba-cuda#690 fixed for ``swapped_cuda_module``)."""
+        from numba.cuda.simulator.kernelapi import FakeCUDAShared
+
+        if getattr(FakeCUDAShared.array, "_ddtree_locked", False):
+            return
+        from numba.core import types
+        from numba.np import numpy_support
+
+        unlocked = FakeCUDAShared.array
+        lock = threading.Lock()
+
+        def locked_array(self, shape, dtype):
+            if shape == 0:                      # dynamic shared memory: not keyed by line
+                return unlocked(self, shape, dtype)
+            if isinstance(dtype, types.Type):
+                dtype = numpy_support.as_dtype(dtype)
+            caller = sys._getframe(1)           # same key as the original: caller's line
+            key = (caller.f_code.co_filename, caller.f_lineno)
+            with lock:
+                found = self._allocations.get(key)
+                if found is None:
+                    found = self._allocations[key] = np.empty(shape, dtype)
+            return found
+
+        locked_array._ddtree_locked = True
+        FakeCUDAShared.array = locked_array
+
+    _serialise_shared_allocations()
+
+_stream_stack: list = []
+
+
+def as_device(a, *, bf16_as_bits: bool = True):
+    """A numba device array viewing ``a`` (copied to the device if ``a`` is a numpy array).
+
+    A bfloat16 array comes back as a ``uint16`` array of the same shape holding its bits.
+    """
+    if isinstance(a, np.ndarray):
+        host = np.ascontiguousarray(a)
+        if BFLOAT16 is not None and host.dtype == BFLOAT16 and bf16_as_bits:
+            host = host.view(np.uint16)
+        return cuda.to_device(host, stream=launch_stream())
+    if type(a).__module__.startswith("torch"):
+        import torch
+
+        if a.dtype == torch.bfloat16:
+            a = a.view(torch.int16)
+            return cuda.as_cuda_array(a).view(np.uint16)
+        return cuda.as_cuda_array(a)
+    if type(a).__name__ == "FakeCUDAArray":  # simulator device array
+        return a
+    if hasattr(a, "__cuda_array_interface__"):
+        return cuda.as_cuda_array(a)
+    raise TypeError(f"expected a numpy array or a CUDA device array, got {type(a).__name__}")
+
+
+def device_empty(shape, dtype):
+    """Uninitialised device array on the launch stream (every kernel writes all of its output)."""
+    return cuda.device_array(shape, dtype=dtype, stream=launch_stream())
+
+
+def launch_stream():
+    """The stream kernels launch on: the innermost :func:`use_stream`, else the default (0)."""
+    return _stream_stack[-1] if _stream_stack else 0
+
+
+@contextlib.contextmanager
+def use_stream(stream):
+    """Launch every kernel of this package on ``stream`` inside the ``with`` block.
+
+    ``stream`` is a numba stream, or anything with a CUDA stream handle (``.ptr`` of a CuPy
+    stream, ``.cuda_stream`` of a torch stream), wrapped with ``cuda.external_stream``.
+    """
+    if not SIMULATOR and not isinstance(stream, cuda.cudadrv.driver.Stream):
+        handle = getattr(stream, "ptr", None) or getattr(stream, "cuda_stream", None)
+        stream = cuda.external_stream(handle)
+    _stream_stack.append(stream)
+    try:
+        yield stream
+    finally:
+        _stream_stack.pop()
+
+
+def blocks_for(n: int, threads: int) -> int:
+    """Blocks of ``threads`` threads that cover ``n`` items (at least 1)."""
+    return max(1, (n + threads - 1) // threads)

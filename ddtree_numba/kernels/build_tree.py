@@ -1,0 +1,432 @@
+"""GPU best-first tree builder: ``kernels.build_tree``, bit-exact to ``reference.build_tree``.
+
+The reference keeps the frontier in a heap. Two facts make a heap unnecessary on the GPU:
+
+1. **One pending candidate per node.** Candidate ``(p, r + 1)`` is pushed only when ``(p, r)``
+   is popped, so every taken node ``p`` has at most one candidate waiting: its next unexpanded
+   rank ``next_rank[p]``, with score ``cand[p]`` (``-inf`` = none). The frontier is the array
+   ``cand[0:count]``, and "highest score, ties by smaller p, then smaller r" becomes
+   "largest ``cand[p]``, ties by smaller ``p``" (two candidates never share a ``p``).
+2. **New candidates are appended.** A pop changes only ``cand[p]`` (its next sibling) and
+   ``cand[c]`` (the new node's first child), so the arg-max can be maintained incrementally.
+
+Launches (one batch, no host synchronisation, no per-request Python loop)::
+
+    select kernel   grid (bs,)                  one request per block: the sequential pops
+    finish kernel   grid (ceil(N / 32), bs)     32 tree rows per block: tokens, positions,
+                                                visibility_bits, visibility, in parallel
+
+Select, variant ``"scan"`` (readable; the simulator path): one thread per request; each pop
+scans ``cand[0:count]`` for the arg-max, ``O(count)`` per pop and ``O(B^2)`` per tree.
+
+Select, variant ``"warp"`` (fast; GPU only, needs warp shuffles): a two-level tournament run by
+one warp. Lane ``l`` owns the contiguous node group ``[33 l, 33 l + 33)`` (``33 * 32 = 1056``
+nodes, so ``N <= 1056``) and keeps its group's best ``(score, node)`` in registers. A pop is
+
+* a warp max of the 32 lane bests (5 ``shfl_xor``), then ``ffs(ballot(best == max))``: the lowest
+  lane holding the max, i.e. the smallest node index among equal scores (groups are contiguous
+  and ascending, and each lane keeps the smallest node of its own ties): the reference's order;
+* a handful of shared-memory reads (``next_rank``, ``depth``, ``score`` of ``p``; two log-probs
+  from a shared-memory copy of ``top_log_probs[b, :, :R]``), one lane writing the new node;
+* the refresh of two lane bests: the popped node's lane re-scans its 33 entries (unrolled,
+  independent loads), the new node's lane compares one value.
+
+That is ``O(log 32 + N / 32)`` latency per pop instead of ``O(count)``, with no block-wide
+barrier inside the loop (only ``syncwarp``). The other three warps of the block help with the
+cooperative set-up (initialise shared arrays, stage log-probs) and the coalesced write-out.
+
+Why the order is exactly the reference's: both pop the maximum of the same frontier with the
+same tie rule; scores are the same float32 sums (``score(p) + lp``, one rounding, never a
+subtraction); ``-inf`` candidates are never selected because a selection needs ``> -inf``.
+
+Shared memory of the warp variant (static, per block)::
+
+    cand, score               float32[1056]   8.4 KB   frontier score per node, node scores
+    next_rank                 int32[1056]     4.2 KB   next unexpanded rank per node
+    parent, depth, rank,
+    first_child, next_sib,
+    last_child                int16[1056]x6  12.7 KB   the tree under construction
+    lp_cache                  float32[4096]  16.4 KB   top_log_probs[b, d, r] for r < R
+                                            -------
+                                             41.7 KB   (< 48 KB; R = min(K, 4096 // L))
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32, int16, int32, uint32
+
+from ..contracts import DraftTree
+from ..validation import MAX_DEPTH, MAX_NODES, check_build_tree
+from ._device import SIMULATOR, as_device, device_empty, launch_stream
+
+NODE_CAPACITY = MAX_NODES           # 1056 = 32 lanes x 33 nodes
+GROUP = NODE_CAPACITY // 32         # nodes owned by one lane in the warp tournament
+MAX_WORDS = (NODE_CAPACITY + 31) // 32   # W for the largest N
+LP_CACHE = 4096                     # float32 log-probs staged in shared memory per request
+SELECT_THREADS = 128                # warp variant: 1 warp pops, 4 warps set up and write out
+FINISH_ROWS = 32                    # tree rows per block of the finish kernel
+FINISH_THREADS = 32 if SIMULATOR else 128   # the simulator runs one Python thread per thread
+NEG_INF = float32(-np.inf)
+FULL_MASK = 0xFFFFFFFF
+
+
+# ------------------------------------------------------------------------------------------
+# Variant "scan": one thread per request, a linear arg-max per pop (readable, simulator-safe)
+# ------------------------------------------------------------------------------------------
+@cuda.jit
+def _select_scan_kernel(lp, budget, parents, depths, log_weights, next_token, next_sibling,
+                        ranks, num_nodes):
+    """Grid ``(bs,)``, block ``(1,)``. Writes rows ``[0, N)`` of the node table of request b."""
+    b = cuda.blockIdx.x
+    L, K = lp.shape[1], lp.shape[2]
+    N = parents.shape[1]
+    cand = cuda.shared.array(NODE_CAPACITY, float32)       # frontier score of node p's candidate
+    next_rank = cuda.shared.array(NODE_CAPACITY, int32)    # rank r of node p's candidate
+    last_child = cuda.shared.array(NODE_CAPACITY, int32)   # newest child of p (list tail)
+
+    for i in range(N):                                      # padding everywhere first
+        cand[i] = NEG_INF
+        last_child[i] = -1
+        parents[b, i] = -1
+        depths[b, i] = -1
+        log_weights[b, i] = NEG_INF
+        next_token[b, i] = -1
+        next_sibling[b, i] = -1
+        ranks[b, i] = -1
+    depths[b, 0] = 0                                        # the root: depth 0, score 0
+    log_weights[b, 0] = 0.0
+    cand[0] = float32(0.0) + lp[b, 0, 0]                    # frontier = {(0, 0)}
+    next_rank[0] = 0
+
+    count = 1
+    while count - 1 < budget:
+        # 1. pop: the largest cand[p]; strict '>' keeps the smaller p on ties
+        best = NEG_INF
+        p = -1
+        for q in range(count):
+            if cand[q] > best:
+                best = cand[q]
+                p = q
+        if p < 0:                                           # only -inf left: frontier empty
+            break
+        # 2. the popped candidate (p, r) becomes node c
+        r = next_rank[p]
+        dp = depths[b, p]
+        c = count
+        parents[b, c] = p
+        depths[b, c] = dp + 1
+        log_weights[b, c] = best
+        ranks[b, c] = r
+        if last_child[p] < 0:                               # children are appended in index
+            next_token[b, p] = c                            # order, so the first one is the
+        else:                                               # smallest and each link points
+            next_sibling[b, last_child[p]] = c              # to the next larger sibling
+        last_child[p] = c
+        # 3. push (p, r + 1) and (c, 0); -inf means "not pushed"
+        cand[p] = NEG_INF
+        if r + 1 < K:
+            cand[p] = log_weights[b, p] + lp[b, dp, r + 1]
+            next_rank[p] = r + 1
+        cand[c] = NEG_INF
+        if dp + 1 < L:
+            cand[c] = best + lp[b, dp + 1, 0]
+            next_rank[c] = 0
+        count += 1
+    num_nodes[b] = count
+
+
+# ------------------------------------------------------------------------------------------
+# Variant "warp": one warp per request, a two-level tournament (GPU only)
+# ------------------------------------------------------------------------------------------
+@cuda.jit(device=True, inline=True)
+def _log_prob(lp, lp_cache, b, d, r, R):
+    """``top_log_probs[b, d, r]`` from the shared copy when ``r < R``, else from global."""
+    if r < R:
+        return lp_cache[d * R + r]
+    return lp[b, d, r]
+
+
+@cuda.jit
+def _select_warp_kernel(lp, budget, parents, depths, log_weights, next_token, next_sibling,
+                        ranks, num_nodes):
+    """Grid ``(bs,)``, block ``(SELECT_THREADS,)``; warp 0 pops, all threads set up / write."""
+    b = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    lane = tid % 32
+    L, K = lp.shape[1], lp.shape[2]
+    N = parents.shape[1]
+
+    cand = cuda.shared.array(NODE_CAPACITY, float32)
+    score = cuda.shared.array(NODE_CAPACITY, float32)
+    next_rank = cuda.shared.array(NODE_CAPACITY, int32)
+    parent_s = cuda.shared.array(NODE_CAPACITY, int16)
+    depth_s = cuda.shared.array(NODE_CAPACITY, int16)
+    rank_s = cuda.shared.array(NODE_CAPACITY, int16)
+    first_child = cuda.shared.array(NODE_CAPACITY, int16)
+    next_sib = cuda.shared.array(NODE_CAPACITY, int16)
+    last_child = cuda.shared.array(NODE_CAPACITY, int16)
+    lp_cache = cuda.shared.array(LP_CACHE, float32)
+    count_s = cuda.shared.array(1, int32)
+
+    # 1. set-up by the whole block: empty frontier, empty lists, log-probs staged
+    R = min(K, LP_CACHE // L)                       # cached ranks per depth row
+    for i in range(tid, NODE_CAPACITY, SELECT_THREADS):
+        cand[i] = NEG_INF
+        first_child[i] = -1
+        next_sib[i] = -1
+        last_child[i] = -1
+    for e in range(tid, L * R, SELECT_THREADS):     # lp_cache[d * R + r] = lp[b, d, r]
+        d = e // R
+        lp_cache[e] = lp[b, d, e - d * R]
+    cuda.syncthreads()                              # staging done before warp 0 reads it
+
+    if tid < 32:
+        # root: node 0, candidate (0, 0) in lane 0's group
+        if lane == 0:
+            score[0] = 0.0
+            depth_s[0] = 0
+            parent_s[0] = -1
+            rank_s[0] = -1
+            next_rank[0] = 0
+            cand[0] = float32(0.0) + lp_cache[0]
+        cuda.syncwarp(FULL_MASK)                    # lane 0's writes visible to the warp
+        best_s = cand[0] if lane == 0 else NEG_INF  # this lane's group best: score, node
+        best_n = 0 if lane == 0 else -1
+
+        count = 1
+        while count - 1 < budget:
+            # 2. global arg-max: warp max, then the lowest lane holding it
+            m = best_s
+            for offset in (16, 8, 4, 2, 1):
+                m = max(m, cuda.shfl_xor_sync(FULL_MASK, m, offset))
+            if m == NEG_INF:                        # frontier empty (uniform across the warp)
+                break
+            w = cuda.ffs(cuda.ballot_sync(FULL_MASK, best_s == m)) - 1
+            p = cuda.shfl_sync(FULL_MASK, best_n, w)
+
+            # 3. pop candidate (p, r) as node c; every lane computes the same values
+            r = int32(next_rank[p])
+            dp = int32(depth_s[p])
+            c = count
+            sib = NEG_INF                            # score of (p, r + 1)
+            if r + 1 < K:
+                sib = score[p] + _log_prob(lp, lp_cache, b, dp, r + 1, R)
+            child = NEG_INF                          # score of (c, 0)
+            if dp + 1 < L:
+                child = m + _log_prob(lp, lp_cache, b, dp + 1, 0, R)
+            cuda.syncwarp(FULL_MASK)                # all reads of p's entries done before
+            if lane == 0:                           # lane 0 overwrites them
+                cand[p] = sib
+                next_rank[p] = r + 1
+                cand[c] = child
+                next_rank[c] = 0
+                score[c] = m
+                depth_s[c] = dp + 1
+                parent_s[c] = p
+                rank_s[c] = r
+                if last_child[p] < 0:
+                    first_child[p] = c
+                else:
+                    next_sib[last_child[p]] = c
+                last_child[p] = c
+            cuda.syncwarp(FULL_MASK)                # new cand[] visible to the rescanning lane
+
+            # 4. refresh the two lane bests that changed
+            if lane == w:                           # p's group lost its best: rescan 33
+                best_s = NEG_INF                    # entries (ascending, strict '>': the
+                best_n = -1                         # smallest node wins ties)
+                base = w * GROUP
+                for q in range(GROUP):
+                    s = cand[base + q]
+                    if s > best_s:
+                        best_s = s
+                        best_n = base + q
+            elif lane == c // GROUP:                # c is the largest node of its group:
+                if child > best_s:                  # it wins only if strictly better
+                    best_s = child
+                    best_n = c
+            count += 1
+        if lane == 0:
+            count_s[0] = count
+    cuda.syncthreads()                              # the tree is complete before write-out
+
+    # 5. coalesced write-out of rows [0, N), padding included
+    count = count_s[0]
+    if tid == 0:
+        num_nodes[b] = count
+    for i in range(tid, N, SELECT_THREADS):
+        if i < count:
+            parents[b, i] = parent_s[i]
+            depths[b, i] = depth_s[i]
+            log_weights[b, i] = score[i]
+            next_token[b, i] = first_child[i]
+            next_sibling[b, i] = next_sib[i]
+            ranks[b, i] = rank_s[i]
+        else:
+            parents[b, i] = -1
+            depths[b, i] = -1
+            log_weights[b, i] = NEG_INF
+            next_token[b, i] = -1
+            next_sibling[b, i] = -1
+            ranks[b, i] = -1
+
+
+# ------------------------------------------------------------------------------------------
+# Finish: tokens, positions and the ancestor masks, 32 rows per block (both variants)
+# ------------------------------------------------------------------------------------------
+@cuda.jit
+def _finish_kernel(top_token_ids, root_token_ids, prefix_lens, has_prefix, parents, depths,
+                   ranks, num_nodes, token_ids, positions, visibility_bits, visibility):
+    """Grid ``(ceil(N / FINISH_ROWS), bs)``, any block size (128 on a GPU, 32 simulated).
+
+    Rows ``i0 .. i0 + 31`` of request ``b``. Word ``w`` of row ``i`` collects the ancestors
+    ``a`` of ``i`` (and ``i``) with ``a // 32 == w``: a walk up ``parents`` of at most ``L``
+    steps, read from a shared copy of the request's parent array.
+    """
+    b = cuda.blockIdx.y
+    i0 = cuda.blockIdx.x * FINISH_ROWS
+    tid = cuda.threadIdx.x
+    N = parents.shape[1]
+    W = visibility_bits.shape[2]
+    n = num_nodes[b]
+    parent_s = cuda.shared.array(NODE_CAPACITY, int32)
+    bits_s = cuda.shared.array((FINISH_ROWS, MAX_WORDS), uint32)
+    threads = cuda.blockDim.x
+
+    for i in range(tid, n, threads):         # 1. the request's parents, once
+        parent_s[i] = parents[b, i]
+    if tid < FINISH_ROWS and i0 + tid < N:         # 2. token and RoPE position per row
+        i = i0 + tid
+        if i == 0:
+            token_ids[b, 0] = root_token_ids[b]
+        elif i < n:
+            token_ids[b, i] = top_token_ids[b, depths[b, i] - 1, ranks[b, i]]
+        else:
+            token_ids[b, i] = -1
+        if i < n:
+            positions[b, i] = depths[b, i] + (prefix_lens[b] if has_prefix else 0)
+        else:
+            positions[b, i] = -1
+    cuda.syncthreads()                              # parent_s complete before the walks
+
+    for e in range(tid, FINISH_ROWS * W, threads):   # 3. packed words (row, word)
+        row = e // W
+        w = e - row * W
+        i = i0 + row
+        word = uint32(0)
+        if i < n:
+            a = i
+            while a >= 0:                           # i, parent(i), ..., root
+                if a // 32 == w:
+                    word |= uint32(1) << uint32(a % 32)
+                a = parent_s[a]
+        bits_s[row, w] = word
+        if i < N:
+            visibility_bits[b, i, w] = word
+    cuda.syncthreads()                              # words complete before unpacking them
+
+    for e in range(tid, FINISH_ROWS * N, threads):   # 4. bool mask, coalesced in j
+        row = e // N
+        j = e - row * N
+        if i0 + row < N:
+            visibility[b, i0 + row, j] = ((bits_s[row, j // 32] >> (j % 32)) & 1) != 0
+
+
+# ------------------------------------------------------------------------------------------
+# Launcher
+# ------------------------------------------------------------------------------------------
+VARIANTS = ("scan", "warp")
+
+
+def default_variant() -> str:
+    """``"warp"`` on a GPU, ``"scan"`` on the simulator (which has no warp shuffles)."""
+    return "scan" if SIMULATOR else "warp"
+
+
+def allocate_tree(bs: int, N: int) -> DraftTree:
+    """Device buffers for a :class:`DraftTree` (the kernels write every element)."""
+    W = (N + 31) // 32
+    return DraftTree(
+        token_ids=device_empty((bs, N), np.int32),
+        parents=device_empty((bs, N), np.int32),
+        depths=device_empty((bs, N), np.int32),
+        log_weights=device_empty((bs, N), np.float32),
+        num_nodes=device_empty((bs,), np.int32),
+        next_token=device_empty((bs, N), np.int32),
+        next_sibling=device_empty((bs, N), np.int32),
+        visibility=device_empty((bs, N, N), np.bool_),
+        visibility_bits=device_empty((bs, N, W), np.uint32),
+        positions=device_empty((bs, N), np.int32),
+    )
+
+
+def build_tree(top_log_probs, top_token_ids, root_token_ids, budget, *, prefix_lens=None,
+               check=None, variant=None, out=None, scratch=None) -> DraftTree:
+    """Build one best-first draft tree per request on the GPU (two launches, no sync).
+
+    Parameters
+    ----------
+    top_log_probs : array
+        ``float32[bs, L, K]``, rows sorted descending, values ``<= 0`` (numpy or device).
+    top_token_ids : array
+        ``int32[bs, L, K]``.
+    root_token_ids : array
+        ``int32[bs]``.
+    budget : int
+        Draft nodes per tree (``N = budget + 1 <= 1056``).
+    prefix_lens : array, optional
+        ``int32[bs]``; positions are ``prefix_lens + depths``.
+    check : bool, optional
+        Run the value checks of :func:`ddtree_numba.validation.check_build_tree`. Default:
+        on for numpy inputs, off for device inputs (they would need a host copy).
+    variant : str, optional
+        ``"warp"`` (fast, GPU only) or ``"scan"`` (readable, simulator); default by platform.
+    out : DraftTree, optional
+        Preallocated device buffers (:func:`allocate_tree`) to fill, e.g. for graph capture.
+    scratch : device array, optional
+        ``int32[bs, N]`` for the rank of each node; allocated when omitted.
+
+    Returns
+    -------
+    DraftTree
+        Device arrays, bit-identical to :func:`ddtree_numba.reference.build_tree`.
+    """
+    sz = check_build_tree(top_log_probs, top_token_ids, root_token_ids, budget, prefix_lens,
+                          check=check)
+    if sz.N > NODE_CAPACITY:
+        raise ValueError(f"budget: expected at most {NODE_CAPACITY - 1} (the kernels hold "
+                         f"N = budget + 1 <= {NODE_CAPACITY} nodes in shared memory), "
+                         f"got {budget}")
+    if sz.L > MAX_DEPTH:
+        raise ValueError(f"top_log_probs: expected L <= {MAX_DEPTH}, got L = {sz.L}")
+    variant = default_variant() if variant is None else variant
+    if variant not in VARIANTS:
+        raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
+    if variant == "warp" and SIMULATOR:
+        raise ValueError("variant: 'warp' needs warp shuffles, which the CUDA simulator lacks; "
+                         "use 'scan'")
+    lp = as_device(top_log_probs)
+    ids = as_device(top_token_ids)
+    roots = as_device(root_token_ids)
+    has_prefix = prefix_lens is not None
+    prefix = as_device(prefix_lens) if has_prefix else roots   # placeholder, never read
+    tree = allocate_tree(sz.bs, sz.N) if out is None else out
+    ranks = device_empty((sz.bs, sz.N), np.int32) if scratch is None else scratch
+    if sz.bs == 0:
+        return tree
+
+    stream = launch_stream()
+    node_table = (tree.parents, tree.depths, tree.log_weights, tree.next_token,
+                  tree.next_sibling, ranks, tree.num_nodes)
+    if variant == "warp":
+        _select_warp_kernel[sz.bs, SELECT_THREADS, stream](lp, sz.budget, *node_table)
+    else:
+        _select_scan_kernel[sz.bs, 1, stream](lp, sz.budget, *node_table)
+    grid = (math.ceil(sz.N / FINISH_ROWS), sz.bs)
+    _finish_kernel[grid, FINISH_THREADS, stream](
+        ids, roots, prefix, has_prefix, tree.parents, tree.depths, ranks, tree.num_nodes,
+        tree.token_ids, tree.positions, tree.visibility_bits, tree.visibility)
+    return tree

@@ -1,0 +1,104 @@
+"""KV commit on the GPU: ``kernels.commit_kv``, bit-exact to the reference, in place.
+
+Math (reference): row of slot ``P + i`` <- row of slot ``P + a_i`` for ``i = 1..k``.
+
+Parallel plan. Requests and row columns are independent; the moves of one request are not
+(on the path ``0 -> 2 -> 3`` move 1 reads slot ``P + 2`` that move 2 writes). Since ``a_i >= i``,
+no move reads a slot written by an *earlier* move, so "read all sources, then write all" equals
+the sequential ascending order. One thread per (request, column) does exactly that for its
+column, in chunks of ``CHUNK`` moves held in registers (reads of a chunk, then its writes, in
+ascending order: still the sequential semantics). No two threads touch the same element, so
+no barrier is needed.
+
+Grid ``(ceil(D / COMMIT_THREADS), bs)``, block ``(COMMIT_THREADS,)``; ``k <= L`` in practice, so
+a thread moves a handful of elements; a warp moves 128 contiguous bytes of a row (fp32).
+bfloat16 / float16 caches move as ``uint16`` bits (a copy needs no arithmetic).
+Addresses are bounds-checked (path node, slot, page), so unchecked device inputs cannot write
+out of bounds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+
+from ..validation import check_commit_kv
+from ._device import SIMULATOR, as_device, device_empty, launch_stream
+
+COMMIT_THREADS = 32 if SIMULATOR else 128
+CHUNK = 8
+
+
+@cuda.jit
+def _commit_kv_kernel(kv_cache, block_table, prefix_lens, accept_nodes, accept_len,
+                      new_prefix_lens):
+    b = cuda.blockIdx.y
+    col = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    num_pages, page_size, D = kv_cache.shape
+    N = accept_nodes.shape[1]
+    capacity = block_table.shape[1] * page_size
+    P = prefix_lens[b]
+    k = min(max(accept_len[b], 0), N - 1)
+    if col == 0:
+        new_prefix_lens[b] = P + k + 1
+    if col >= D:
+        return
+    vals = cuda.local.array(CHUNK, kv_cache.dtype)  # registers: the loops below unroll
+    for i0 in range(1, k + 1, CHUNK):
+        for j in range(CHUNK):                      # 1. read up to CHUNK sources ...
+            i = i0 + j
+            if i <= k:
+                src = P + accept_nodes[b, i]
+                if accept_nodes[b, i] >= 0 and src < capacity:
+                    page = block_table[b, src // page_size]
+                    if page >= 0 and page < num_pages:
+                        vals[j] = kv_cache[page, src % page_size, col]
+        for j in range(CHUNK):                      # 2. ... then write them, ascending i
+            i = i0 + j
+            dst = P + i
+            if i <= k and accept_nodes[b, i] >= 0 and P + accept_nodes[b, i] < capacity \
+                    and dst < capacity:
+                page = block_table[b, dst // page_size]
+                if page >= 0 and page < num_pages:
+                    kv_cache[page, dst % page_size, col] = vals[j]
+
+
+def commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len, *, check=None,
+              out=None):
+    """Move the accepted rows into place (in place, one launch); return new prefix lengths.
+
+    Parameters
+    ----------
+    kv_cache : device array
+        ``float32|bfloat16|float16[num_pages, page_size, D]``, updated in place. A numpy cache
+        is copied to the device, updated there and copied back (for tests and the simulator).
+    block_table, prefix_lens, accept_nodes, accept_len : array
+        As in :func:`ddtree_numba.reference.commit_kv`.
+    check : bool, optional
+        Run the value checks (paths, pages). Default: on for numpy inputs only.
+    out : device array, optional
+        ``int32[bs]`` for the new prefix lengths.
+
+    Returns
+    -------
+    device array
+        ``int32[bs]``: ``prefix_lens + accept_len + 1``.
+    """
+    sz = check_commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len,
+                         check=check)
+    host_cache = kv_cache if isinstance(kv_cache, np.ndarray) else None
+    cache = as_device(kv_cache)
+    if cache.dtype.itemsize == 2:
+        cache = cache.view(np.uint16)               # bf16 / f16: move the bits
+    args = [as_device(a) for a in (block_table, prefix_lens, accept_nodes, accept_len)]
+    new_prefix = device_empty((sz.bs,), np.int32) if out is None else out
+    stream = launch_stream()
+    if sz.bs:
+        grid = (math.ceil(sz.D / COMMIT_THREADS), sz.bs)
+        _commit_kv_kernel[grid, COMMIT_THREADS, stream](cache, *args, new_prefix)
+    if host_cache is not None:                      # numpy in: write the result back
+        host_cache.view(np.uint16 if host_cache.dtype.itemsize == 2 else host_cache.dtype)[
+            ...] = cache.copy_to_host(stream=stream)
+    return new_prefix

@@ -1,0 +1,360 @@
+"""Draft top-K on the GPU: ``kernels.draft_topk``, ids bit-exact to the reference.
+
+One block per ``[b, d, :]`` row of ``V`` logits (``rows = bs * L``). The selection never sorts
+the vocabulary: it finds the K-th largest key by **radix select** on the float bits, then sorts
+only the few survivors.
+
+*Orderable keys.* ``key(x)`` maps float32 bits to uint32 so that unsigned order = float order
+(flip all bits of negatives, flip the sign bit of positives; ``-0.0`` is first made ``+0.0``
+because the reference treats them as equal). The rank order is "key descending, id ascending",
+so a candidate is packed as ``(key << 32) | (0xFFFFFFFF - id)`` and one descending uint64 sort
+gives the reference's order.
+
+Phases of a block (``T`` threads, ``v`` strided by ``T``: coalesced)::
+
+    1. one pass over the row: online max / sum-exp (for the log-sum-exp) fused with a
+       2048-bin histogram of key bits 31..21 (shared-memory atomics)          V reads
+    2. the bin t holding the K-th largest key: a block suffix scan of the histogram
+       if more than CAP keys share bin t: refine on bits 20..10, then 9..0,
+       re-reading the row (from L2) and counting only keys in the chosen bin   (rare)
+    3. one more pass: keys above the threshold bin and keys in it become candidates
+       (at most K - 1 + CAP of them), appended with a shared atomic counter     V reads
+    4. bitonic sort of the candidates in shared memory (descending uint64), write the
+       first K: log-prob = x - lse, id                                            K writes
+
+If all 32 key bits are resolved and more than CAP logits are *exactly equal* at the threshold
+(e.g. a row of many -inf), phase 3 takes the tied ones in id order instead: each thread counts
+the ties in a contiguous chunk of the row, one block scan gives each thread its first rank.
+
+Memory: two reads of the row (the second mostly from L2) plus, rarely, the refinements. The
+floor is one read: ``bs * L * V * itemsize`` bytes over the copy bandwidth.
+
+Precision: the log-sum-exp is accumulated in float32 in a different order than the float64
+reference. Its error is at most about ``(V / T + 16)`` float32 epsilons, plus one rounding of
+``lse`` and one of ``x - lse``; ``tests/test_draft_topk.py`` checks exactly that bound.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32, int32, uint32, uint64
+
+from ..validation import BFLOAT16, check_draft_topk
+from ._device import SIMULATOR, as_device, device_empty, launch_stream
+
+TOPK_THREADS = 32 if SIMULATOR else 512   # a power of two, at most MAX_THREADS
+MAX_THREADS = 512
+MAX_K = 1024
+BINS = 2048                  # radix digits per level: 11 + 11 + 10 bits
+TIE_CAP = 2048               # candidates taken from the threshold bin without refining
+SORT_CAP = 4096              # >= MAX_K - 1 + TIE_CAP, a power of two
+NEG_INF = float32(-np.inf)
+SIGN = uint32(0x80000000)
+# (shift, mask) of the three radix levels: bits 31..21, 20..10, 9..0
+LEVEL_SHIFT = (21, 10, 0)
+LEVEL_MASK = (0x7FF, 0x7FF, 0x3FF)
+
+
+# ------------------------------------------------------------------------------------------
+# Bits <-> float <-> orderable key
+# ------------------------------------------------------------------------------------------
+if SIMULATOR:
+
+    def _bits_to_float(bits):
+        return np.array([bits], np.uint32).view(np.float32)[0]
+
+else:
+
+    @cuda.jit(device=True, inline=True)
+    def _bits_to_float(bits):
+        return cuda.libdevice.int_as_float(int32(bits))
+
+
+@cuda.jit(device=True, inline=True)
+def _key_of_bits(bits):
+    """float32 bits -> uint32 key whose unsigned order is the float order (-0.0 == +0.0)."""
+    if bits == SIGN:                        # -0.0 -> +0.0
+        bits = uint32(0)
+    if bits & SIGN:
+        return ~bits & uint32(0xFFFFFFFF)   # negative: flip everything
+    return bits | SIGN                      # positive: flip the sign bit
+
+
+@cuda.jit(device=True, inline=True)
+def _bits_of_key(key):
+    if key & SIGN:
+        return key ^ SIGN
+    return ~key & uint32(0xFFFFFFFF)
+
+
+# ------------------------------------------------------------------------------------------
+# Block-wide helpers (every thread of the block must call them)
+# ------------------------------------------------------------------------------------------
+@cuda.jit(device=True)
+def _block_inclusive_scan(scratch, value, tid, T):
+    """Hillis-Steele inclusive prefix sum of one int32 per thread, in ``scratch[0:T]``."""
+    scratch[tid] = value
+    cuda.syncthreads()                      # all values in place
+    offset = 1
+    while offset < T:
+        add = scratch[tid - offset] if tid >= offset else 0
+        cuda.syncthreads()                  # everyone read before anyone overwrites
+        scratch[tid] += add
+        cuda.syncthreads()                  # the step is complete before the next read
+        offset *= 2
+    return scratch[tid]
+
+
+@cuda.jit(device=True)
+def _block_log_sum_exp(red_m, red_s, m, s, tid, T):
+    """Merge per-thread online-softmax partials ``(m, s)`` into ``log(sum exp)`` (T = 2^j).
+
+    Tree reduction: ``(m1, s1) + (m2, s2) = (M, s1 exp(m1 - M) + s2 exp(m2 - M))``.
+    """
+    red_m[tid] = m
+    red_s[tid] = s
+    cuda.syncthreads()                      # all partials stored
+    half = T // 2
+    while half > 0:
+        if tid < half:
+            m1, s1 = red_m[tid], red_s[tid]
+            m2, s2 = red_m[tid + half], red_s[tid + half]
+            M = max(m1, m2)
+            if M > NEG_INF:
+                red_s[tid] = s1 * math.exp(m1 - M) + s2 * math.exp(m2 - M)
+            red_m[tid] = M
+        cuda.syncthreads()                  # this level merged before the next reads it
+        half //= 2
+    M = red_m[0]
+    S = red_s[0]
+    cuda.syncthreads()                      # everyone read the total before reuse
+    return M + math.log(S) if M > NEG_INF else NEG_INF
+
+
+@cuda.jit(device=True)
+def _find_threshold_digit(hist, nbins, need, scratch, result, tid, T):
+    """The digit t with ``count(d > t) < need <= count(d >= t)``.
+
+    Thread j owns ``per = ceil(nbins / T)`` bins counted from the top; a block scan of the
+    per-thread sums tells the one thread whose range contains the crossing. Writes
+    ``result[0] = t``, ``result[1] = count(d > t)``, ``result[2] = hist[t]``.
+    """
+    per = (nbins + T - 1) // T
+    top = nbins - 1 - tid * per             # this thread's bins: top, top - 1, ...
+    local = 0
+    for q in range(per):
+        if top - q >= 0:
+            local += hist[top - q]
+    incl = _block_inclusive_scan(scratch, local, tid, T)
+    excl = incl - local
+    if excl < need and need <= incl:        # exactly one thread
+        run = excl
+        for q in range(per):
+            d = top - q
+            if d >= 0:
+                if run + hist[d] >= need:
+                    result[0] = d
+                    result[1] = run
+                    result[2] = hist[d]
+                    break
+                run += hist[d]
+    cuda.syncthreads()                      # result visible to all threads
+
+
+@cuda.jit(device=True)
+def _bitonic_sort_desc(keys, n, tid, T):
+    """Sort ``keys[0:n]`` descending in place (``n`` a power of two; shared memory)."""
+    size = 2
+    while size <= n:
+        stride = size // 2
+        while stride > 0:
+            for i in range(tid, n, T):
+                j = i ^ stride
+                if j > i:
+                    descending = (i & size) == 0
+                    a = keys[i]
+                    b = keys[j]
+                    if (a < b) == descending:
+                        keys[i] = b
+                        keys[j] = a
+            cuda.syncthreads()              # this compare-exchange step done before the next
+            stride //= 2
+        size *= 2
+
+
+# ------------------------------------------------------------------------------------------
+# The kernel (one specialisation per storage type: float32 bits or bfloat16 bits)
+# ------------------------------------------------------------------------------------------
+def _make_topk_kernel(bf16: bool):
+    if bf16:
+
+        @cuda.jit(device=True, inline=True)
+        def load_bits(row, v):
+            return uint32(row[v]) << uint32(16)          # bfloat16 = top half of a float32
+
+    else:
+
+        @cuda.jit(device=True, inline=True)
+        def load_bits(row, v):
+            return uint32(row[v])
+
+    @cuda.jit
+    def topk_kernel(logit_bits, k, top_log_probs, top_token_ids):
+        """Grid ``(rows,)``, block ``(T,)``; row ``logit_bits[row, :]`` -> K outputs."""
+        row_id = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        T = cuda.blockDim.x
+        row = logit_bits[row_id]
+        V = row.shape[0]
+
+        hist = cuda.shared.array(BINS, int32)
+        scratch = cuda.shared.array(MAX_THREADS, int32)
+        cand = cuda.shared.array(SORT_CAP, uint64)
+        result = cuda.shared.array(3, int32)
+        red_m = cuda.shared.array(MAX_THREADS, float32)
+        red_s = cuda.shared.array(MAX_THREADS, float32)
+        n_cand = cuda.shared.array(1, int32)
+
+        # 1. max / sum-exp and the first-level histogram, one pass over the row
+        for d in range(tid, BINS, T):
+            hist[d] = 0
+        cuda.syncthreads()                  # histogram cleared before the atomics
+        m = NEG_INF
+        s = float32(0.0)
+        for v in range(tid, V, T):
+            bits = load_bits(row, v)
+            x = _bits_to_float(bits)
+            if x > m:                       # online softmax: rescale the running sum
+                s = s * math.exp(m - x) + float32(1.0) if m > NEG_INF else float32(1.0)
+                m = x
+            elif x > NEG_INF:
+                s += math.exp(x - m)
+            key = _key_of_bits(bits)
+            cuda.atomic.add(hist, int32(key >> uint32(21)), 1)
+        lse = _block_log_sum_exp(red_m, red_s, m, s, tid, T)
+        # 2. radix select of the K-th largest key
+        need = k
+        prefix = uint32(0)                  # key bits fixed so far ...
+        mask = uint32(0)                    # ... and which bits those are
+        ties = 0
+        for level in range(3):
+            shift = uint32(LEVEL_SHIFT[level])
+            digit_mask = uint32(LEVEL_MASK[level])
+            if level > 0:                   # count the next digit of keys in the chosen bin
+                for d in range(tid, BINS, T):
+                    hist[d] = 0
+                cuda.syncthreads()          # cleared before the atomics
+                for v in range(tid, V, T):
+                    key = _key_of_bits(load_bits(row, v))
+                    if (key & mask) == prefix:
+                        cuda.atomic.add(hist, int32((key >> shift) & digit_mask), 1)
+            cuda.syncthreads()              # histogram complete
+            _find_threshold_digit(hist, int32(digit_mask) + 1, need, scratch, result, tid, T)
+            need -= result[1]
+            prefix |= uint32(result[0]) << shift
+            mask |= digit_mask << shift
+            ties = result[2]
+            cuda.syncthreads()              # everyone read result before it is reused
+            if ties <= TIE_CAP:
+                break
+
+        # 3. gather the candidates: keys above the threshold bin, and the bin itself
+        if tid == 0:
+            n_cand[0] = 0
+        cuda.syncthreads()                  # counter reset before the atomics
+        ordered_ties = ties > TIE_CAP       # only when all 32 bits are resolved
+        for v in range(tid, V, T):
+            key = _key_of_bits(load_bits(row, v))
+            high = key & mask
+            if high > prefix or (high == prefix and not ordered_ties):
+                slot = cuda.atomic.add(n_cand, 0, 1)
+                cand[slot] = (uint64(key) << uint64(32)) | uint64(0xFFFFFFFF - v)
+        if ordered_ties:                    # the first `need` equal keys in id order
+            chunk = (V + T - 1) // T
+            lo = tid * chunk
+            mine = 0
+            for v in range(lo, min(lo + chunk, V)):
+                if _key_of_bits(load_bits(row, v)) == prefix:
+                    mine += 1
+            rank = _block_inclusive_scan(scratch, mine, tid, T) - mine
+            base = k - need                 # slots after the keys above the threshold
+            for v in range(lo, min(lo + chunk, V)):
+                if rank < need and _key_of_bits(load_bits(row, v)) == prefix:
+                    cand[base + rank] = (uint64(prefix) << uint64(32)) | uint64(0xFFFFFFFF - v)
+                    rank += 1
+            if tid == 0:
+                n_cand[0] = k
+        cuda.syncthreads()                  # all candidates written
+
+        # 4. sort the candidates descending and write the first K
+        n = n_cand[0]
+        n2 = 1
+        while n2 < n:
+            n2 *= 2
+        for i in range(n + tid, n2, T):     # pad to a power of two with the smallest key
+            cand[i] = uint64(0)
+        cuda.syncthreads()                  # padding in place before sorting
+        _bitonic_sort_desc(cand, n2, tid, T)
+        for r in range(tid, k, T):
+            packed = cand[r]
+            key = uint32(packed >> uint64(32))
+            token = int32(0xFFFFFFFF - (packed & uint64(0xFFFFFFFF)))
+            x = _bits_to_float(_bits_of_key(key))
+            top_token_ids[row_id, r] = token
+            top_log_probs[row_id, r] = x - lse if x > NEG_INF else NEG_INF
+
+    return topk_kernel
+
+
+_KERNELS = {}
+
+
+def _kernel(bf16: bool):
+    if bf16 not in _KERNELS:
+        _KERNELS[bf16] = _make_topk_kernel(bf16)
+    return _KERNELS[bf16]
+
+
+def draft_topk(logits, k, *, check=None, out=None):
+    """Per-depth log-softmax top-K of the drafter's logits on the GPU (one launch).
+
+    Parameters
+    ----------
+    logits : array
+        ``float32|bfloat16[bs, L, V]`` (numpy, or a device array: numba, CuPy, torch).
+    k : int
+        Tokens kept per depth, ``1 <= k <= min(V, 1024)``.
+    check : bool, optional
+        Check values (no NaN / +inf). Default: on for numpy inputs only.
+    out : tuple, optional
+        Preallocated ``(float32[bs, L, k], int32[bs, L, k])`` device arrays.
+
+    Returns
+    -------
+    tuple
+        ``(top_log_probs, top_token_ids)`` device arrays; ids equal the reference's exactly,
+        log-probs within the bound stated in the module docstring.
+    """
+    sz = check_draft_topk(logits, k, check=check)
+    if sz.k > MAX_K:
+        raise ValueError(f"k: expected at most {MAX_K} (the shared-memory sort), got {sz.k}")
+    is_bf16 = (isinstance(logits, np.ndarray) and logits.dtype == BFLOAT16) or (
+        "bfloat16" in str(getattr(logits, "dtype", "")))
+    if SIMULATOR and is_bf16:               # the simulator has no bf16: widen exactly on host
+        logits = np.asarray(logits).astype(np.float32)
+        is_bf16 = False
+    x = as_device(logits)
+    rows = sz.bs * sz.L
+    bits = x.reshape(rows, sz.V)
+    bits = bits.view(np.uint16) if is_bf16 else bits.view(np.uint32)
+    if out is None:
+        top_lp = device_empty((sz.bs, sz.L, sz.k), np.float32)
+        top_ids = device_empty((sz.bs, sz.L, sz.k), np.int32)
+    else:
+        top_lp, top_ids = out
+    if rows:
+        _kernel(is_bf16)[rows, TOPK_THREADS, launch_stream()](
+            bits, sz.k, top_lp.reshape(rows, sz.k), top_ids.reshape(rows, sz.k))
+    return top_lp, top_ids

@@ -1,0 +1,122 @@
+"""Greedy tree accept on the GPU: ``kernels.tree_accept``, bit-exact to the reference.
+
+The walk is inherently sequential (follow the matching child, level by level), but short: at
+most ``L`` levels, each a scan of one sibling list. What makes it slow on a GPU is latency, one
+dependent global load per link followed. So each request gets one block that
+
+1. stages its four ``int32[N]`` rows (tokens, first child, next sibling, target prediction)
+   into shared memory with coalesced loads by all threads          (4 N reads per request)
+2. walks the lists from the root in thread 0, in shared memory (~30 cycles per link)
+3. writes ``accept_nodes`` / ``accept_tokens`` rows with all threads    (2 N writes)
+
+Grid ``(bs,)``, block ``(ACCEPT_THREADS,)``; ``N <= 1056`` (the static shared-memory rows).
+Links outside ``[0, N)`` end a list and the walk takes at most ``N`` steps, so unchecked device
+inputs can give a wrong answer but never an out-of-bounds access or a hang.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, int32
+
+from ..contracts import AcceptResult
+from ..validation import MAX_NODES, check_tree_accept
+from ._device import SIMULATOR, as_device, device_empty, launch_stream
+
+ACCEPT_THREADS = 32 if SIMULATOR else 128
+
+
+@cuda.jit
+def _tree_accept_kernel(token_ids, next_token, next_sibling, target_predict, accept_nodes,
+                        accept_len, accept_tokens, bonus_token):
+    b = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    threads = cuda.blockDim.x
+    N = token_ids.shape[1]
+    tok = cuda.shared.array(MAX_NODES, int32)
+    first = cuda.shared.array(MAX_NODES, int32)
+    sib = cuda.shared.array(MAX_NODES, int32)
+    pred = cuda.shared.array(MAX_NODES, int32)
+    path = cuda.shared.array(MAX_NODES, int32)
+    result = cuda.shared.array(2, int32)            # [k, bonus]
+
+    for i in range(tid, N, threads):                # 1. stage the request's rows
+        tok[i] = token_ids[b, i]
+        first[i] = next_token[b, i]
+        sib[i] = next_sibling[b, i]
+        pred[i] = target_predict[b, i]
+    cuda.syncthreads()                              # rows staged before the walk reads them
+
+    if tid == 0:                                    # 2. the walk
+        cur = 0
+        k = 0
+        path[0] = 0
+        steps = 0                                   # links followed; < N in a valid tree
+        while True:
+            want = pred[cur]
+            c = first[cur]
+            while c > 0 and c < N and tok[c] != want and steps < N:
+                c = sib[c]                          # next sibling in list order
+                steps += 1
+            if c <= 0 or c >= N or steps >= N:      # no child matches: stop
+                break
+            k += 1
+            path[k] = c
+            cur = c
+            steps += 1
+        result[0] = k
+        result[1] = pred[cur]
+    cuda.syncthreads()                              # path complete before the write-out
+
+    k = result[0]
+    bonus = result[1]
+    if tid == 0:
+        accept_len[b] = k
+        bonus_token[b] = bonus
+    for i in range(tid, N, threads):                # 3. coalesced rows, -1 fill
+        accept_nodes[b, i] = path[i] if i <= k else -1
+        if i < k:
+            accept_tokens[b, i] = tok[path[i + 1]]
+        elif i == k:
+            accept_tokens[b, i] = bonus
+        else:
+            accept_tokens[b, i] = -1
+
+
+def allocate_accept(bs: int, N: int) -> AcceptResult:
+    return AcceptResult(
+        accept_nodes=device_empty((bs, N), np.int32),
+        accept_len=device_empty((bs,), np.int32),
+        accept_tokens=device_empty((bs, N), np.int32),
+        bonus_token=device_empty((bs,), np.int32),
+    )
+
+
+def tree_accept(token_ids, next_token, next_sibling, target_predict, *, check=None,
+                out=None) -> AcceptResult:
+    """Greedy verification of a batch of trees on the GPU (one launch, no sync).
+
+    Parameters
+    ----------
+    token_ids, next_token, next_sibling, target_predict : array
+        ``int32[bs, N]`` each (numpy or device), as in
+        :func:`ddtree_numba.reference.tree_accept`; ``N <= 1056``.
+    check : bool, optional
+        Run the value checks (links form a tree). Default: on for numpy inputs only.
+    out : AcceptResult, optional
+        Preallocated device buffers (:func:`allocate_accept`).
+
+    Returns
+    -------
+    AcceptResult
+        Device arrays.
+    """
+    sz = check_tree_accept(token_ids, next_token, next_sibling, target_predict, check=check)
+    if sz.N > MAX_NODES:
+        raise ValueError(f"token_ids: expected N <= {MAX_NODES} nodes, got N = {sz.N}")
+    args = [as_device(a) for a in (token_ids, next_token, next_sibling, target_predict)]
+    res = allocate_accept(sz.bs, sz.N) if out is None else out
+    if sz.bs:
+        _tree_accept_kernel[sz.bs, ACCEPT_THREADS, launch_stream()](
+            *args, res.accept_nodes, res.accept_len, res.accept_tokens, res.bonus_token)
+    return res

@@ -1,0 +1,70 @@
+"""A toy target and drafter for the greedy-step demo and tests (no neural network yet).
+
+* :class:`BigramTarget`: the "model" predicts ``next_of[token]`` after any token, a fixed random
+  permutation of the vocabulary, so plain greedy decoding is ``t, next_of[t], ...``. Its
+  forward also writes one cache row per tree node (an embedding of the node's token and
+  position), so :func:`commit_kv` has real rows to move and the test can check them.
+* :func:`noisy_drafter_logits`: logits for the next ``L`` positions that put a bonus of
+  ``confidence`` on the target's own continuation of the root, plus Gaussian noise. A higher
+  ``confidence`` means a drafter that agrees with the target more often.
+
+The toy MLA decoder of the later greedy-step work replaces the bigram target; this one keeps
+the reference step runnable end to end now.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .contracts import DraftTree
+from .reference.commit_kv import slot_address
+
+
+@dataclass
+class BigramTarget:
+    vocab: int
+    row_width: int
+    seed: int = 0
+
+    def __post_init__(self):
+        rng = np.random.default_rng(self.seed)
+        self.next_of = rng.permutation(self.vocab).astype(np.int32)          # [V]
+        self.embedding = rng.standard_normal((self.vocab, self.row_width)).astype(np.float32)
+
+    def cache_row(self, token: int, position: int) -> np.ndarray:
+        """The cache row this toy writes for ``token`` at ``position``: ``[row_width]``."""
+        return self.embedding[token] + np.float32(position)
+
+    def forward(self, tree: DraftTree, kv_cache, block_table, prefix_lens) -> np.ndarray:
+        """Write node j's row at slot ``P + j``; return ``target_predict`` ``int32[bs, N]``."""
+        tree = tree.to_host()
+        predict = np.full(tree.token_ids.shape, -1, np.int32)               # [bs, N]
+        page_size = kv_cache.shape[1]
+        for b in range(tree.token_ids.shape[0]):
+            n = int(tree.num_nodes[b])
+            tokens = tree.token_ids[b, :n]                                   # [n]
+            predict[b, :n] = self.next_of[tokens]
+            slots = int(prefix_lens[b]) + np.arange(n)                       # [n]
+            rows = self.embedding[tokens] + tree.positions[b, :n, None].astype(np.float32)
+            kv_cache[slot_address(block_table[b], page_size, slots)] = rows
+        return predict
+
+    def greedy(self, token: int, steps: int) -> list:
+        """Plain greedy decoding: the ``steps`` tokens after ``token``."""
+        out = []
+        for _ in range(steps):
+            token = int(self.next_of[token])
+            out.append(token)
+        return out
+
+
+def noisy_drafter_logits(target: BigramTarget, roots, L: int, *, confidence: float, rng):
+    """``float32[bs, L, V]``: noise plus ``confidence`` on the target's continuation."""
+    roots = np.asarray(roots)
+    logits = rng.standard_normal((len(roots), L, target.vocab)).astype(np.float32)
+    for b, token in enumerate(roots):
+        for d, t in enumerate(target.greedy(int(token), L)):
+            logits[b, d, t] += np.float32(confidence)
+    return logits

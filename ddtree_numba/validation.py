@@ -1,0 +1,481 @@
+"""Argument checks shared by :mod:`ddtree_numba.reference` and :mod:`ddtree_numba.kernels`.
+
+This is the one place where the buffer contract of ``DESIGN.md`` is enforced. Every public
+function of both packages calls the ``check_<stage>`` function of its stage before it touches
+anything, so a bad argument gets the same error from the numpy spec and from the GPU kernel:
+
+* :class:`TypeError` for a wrong Python type or dtype,
+* :class:`ValueError` for a wrong rank, shape or value,
+
+and the message names the argument, what was expected and what came
+(``top_token_ids: expected int32[bs=2, L=3, K=4], got int64[2, 3, 4]``). No check writes to
+its inputs, so nothing the caller owns is modified when a check fails.
+
+Shape and dtype checks work on numpy arrays and on device arrays (anything with
+``__cuda_array_interface__``: numba, CuPy, torch) without copying them. Value checks (NaN,
+sorted rows, ranges, tree structure) need the values: they run on numpy inputs, and on device
+inputs only when the caller asks with ``check=True`` (which copies them to the host).
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+try:  # bfloat16 on the host comes from ml_dtypes (a dependency); keep the module importable.
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover
+    BFLOAT16 = None
+
+INT32 = np.dtype(np.int32)
+UINT32 = np.dtype(np.uint32)
+FLOAT32 = np.dtype(np.float32)
+FLOAT16 = np.dtype(np.float16)
+BOOL = np.dtype(np.bool_)
+
+#: Largest node capacity N = budget + 1 supported by the GPU tree builder's static shared memory.
+MAX_NODES = 1056
+#: Largest draft depth L supported by the GPU kernels (tree depth is stored in int16 there).
+MAX_DEPTH = 64
+
+
+# --------------------------------------------------------------------------------------------
+# Array metadata without copies
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ArrayInfo:
+    """Shape and logical dtype of a host or device array, read without copying it."""
+
+    shape: tuple
+    dtype: np.dtype
+    on_device: bool
+    c_contiguous: bool
+
+
+def _torch_dtype_to_numpy(dtype) -> np.dtype:
+    name = str(dtype).replace("torch.", "")
+    if name == "bfloat16":
+        return BFLOAT16
+    if name == "bool":
+        return BOOL
+    return np.dtype(name)
+
+
+def array_info(name: str, a) -> ArrayInfo:
+    """Return :class:`ArrayInfo` for ``a`` or raise ``TypeError`` naming ``name``."""
+    if isinstance(a, np.ndarray):
+        return ArrayInfo(tuple(a.shape), a.dtype, False, bool(a.flags.c_contiguous))
+    if type(a).__module__.startswith("torch") and hasattr(a, "is_cuda"):
+        if not a.is_cuda:
+            raise TypeError(f"{name}: expected a numpy array or a CUDA tensor, got a CPU tensor")
+        return ArrayInfo(
+            tuple(a.shape), _torch_dtype_to_numpy(a.dtype), True, bool(a.is_contiguous())
+        )
+    cai = getattr(a, "__cuda_array_interface__", None)
+    if cai is not None:
+        shape = tuple(cai["shape"])
+        dtype = np.dtype(cai["typestr"])
+        strides = cai.get("strides")
+        contiguous = strides is None or tuple(strides) == _c_strides(shape, dtype.itemsize)
+        return ArrayInfo(shape, dtype, True, contiguous)
+    # numba's simulator arrays carry no CUDA array interface but behave like numpy arrays.
+    if type(a).__name__ == "FakeCUDAArray":
+        host = a.copy_to_host()
+        return ArrayInfo(tuple(host.shape), host.dtype, True, True)
+    raise TypeError(
+        f"{name}: expected a numpy array or a CUDA device array, got {type(a).__name__}"
+    )
+
+
+def _c_strides(shape, itemsize):
+    strides, step = [], itemsize
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= max(int(extent), 1)
+    return tuple(reversed(strides))
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    return "bfloat16" if BFLOAT16 is not None and dtype == BFLOAT16 else np.dtype(dtype).name
+
+
+def describe(info: ArrayInfo) -> str:
+    return f"{dtype_name(info.dtype)}[{', '.join(str(s) for s in info.shape)}]"
+
+
+def _expected(dtypes, dims) -> str:
+    names = "|".join(dtype_name(d) for d in dtypes)
+    return f"{names}[{', '.join(dims)}]"
+
+
+def require_array(name: str, a, dtypes, dims, sizes: dict, *, contiguous: bool = True):
+    """Check dtype, rank and named dimensions of ``a``; fill ``sizes`` with the named extents.
+
+    ``dims`` names each axis (``("bs", "L", "K")``); an axis whose name is already in ``sizes``
+    must match it, otherwise its extent is recorded. Returns the :class:`ArrayInfo`.
+    """
+    info = array_info(name, a)
+    dtypes = tuple(np.dtype(d) for d in dtypes if d is not None)
+    shown = [f"{d}={sizes[d]}" if d in sizes else d for d in dims]
+    if info.dtype not in dtypes:
+        raise TypeError(f"{name}: expected {_expected(dtypes, shown)}, got {describe(info)}")
+    if len(info.shape) != len(dims):
+        raise ValueError(
+            f"{name}: expected rank {len(dims)} {_expected(dtypes, shown)}, got {describe(info)}"
+        )
+    for axis, (dim, extent) in enumerate(zip(dims, info.shape, strict=True)):
+        if dim in sizes and sizes[dim] != extent:
+            raise ValueError(
+                f"{name}: expected {_expected(dtypes, shown)}, got {describe(info)} "
+                f"(axis {axis} is {dim}={sizes[dim]} from an earlier argument)"
+            )
+        sizes.setdefault(dim, int(extent))
+    if contiguous and not info.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous array, got strided {describe(info)}")
+    return info
+
+
+def require_int(name: str, value, *, low: int | None = None, high: int | None = None) -> int:
+    """Check that ``value`` is a Python or numpy integer in ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if (low is not None and value < low) or (high is not None and value > high):
+        lo = "-inf" if low is None else low
+        hi = "inf" if high is None else high
+        raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {value}")
+    return value
+
+
+def host_values(a) -> np.ndarray:
+    """The values of ``a`` as a numpy array (a device-to-host copy for device arrays)."""
+    if isinstance(a, np.ndarray):
+        return a
+    if type(a).__module__.startswith("torch"):
+        import torch
+
+        if a.dtype == torch.bfloat16:
+            return a.view(torch.int16).cpu().numpy().view(BFLOAT16)
+        return a.cpu().numpy()
+    if hasattr(a, "copy_to_host"):
+        return a.copy_to_host()
+    if hasattr(a, "get"):  # CuPy
+        return a.get()
+    from numba import cuda
+
+    return cuda.as_cuda_array(a).copy_to_host()
+
+
+def _values_wanted(infos, check) -> bool:
+    """Value checks run on host inputs, and on device inputs when ``check`` is True."""
+    if check is None:
+        return not any(info.on_device for info in infos)
+    return bool(check)
+
+
+def _first_index(mask: np.ndarray) -> tuple:
+    return tuple(int(i) for i in np.argwhere(mask)[0])
+
+
+def _no_nan(name: str, values: np.ndarray):
+    nan = np.isnan(values.astype(np.float32, copy=False))
+    if nan.any():
+        raise ValueError(f"{name}: NaN is not allowed, found one at index {_first_index(nan)}")
+
+
+# --------------------------------------------------------------------------------------------
+# One check per stage
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TopKSizes:
+    bs: int
+    L: int
+    V: int
+    k: int
+
+
+def check_draft_topk(logits, k, *, check=None) -> TopKSizes:
+    """``logits`` float32|bfloat16 ``[bs, L, V]``, ``1 <= k <= V``; no NaN or +inf logits."""
+    sizes: dict = {}
+    info = require_array("logits", logits, (FLOAT32, BFLOAT16), ("bs", "L", "V"), sizes)
+    if sizes["V"] < 1 or sizes["L"] < 1:
+        raise ValueError(f"logits: expected L >= 1 and V >= 1, got {describe(info)}")
+    k = require_int("k", k, low=1, high=sizes["V"])
+    if _values_wanted([info], check):
+        values = host_values(logits).astype(np.float32)
+        _no_nan("logits", values)
+        if np.isposinf(values).any():
+            raise ValueError(f"logits: +inf is not allowed, found one at index "
+                             f"{_first_index(np.isposinf(values))}")
+    return TopKSizes(sizes["bs"], sizes["L"], sizes["V"], k)
+
+
+@dataclass(frozen=True)
+class TreeSizes:
+    bs: int
+    L: int
+    K: int
+    budget: int
+
+    @property
+    def N(self) -> int:
+        return self.budget + 1
+
+    @property
+    def W(self) -> int:
+        return (self.N + 31) // 32
+
+
+def check_prefix_lens(prefix_lens, sizes: dict, values: bool):
+    info = require_array("prefix_lens", prefix_lens, (INT32,), ("bs",), sizes)
+    if values:
+        p = host_values(prefix_lens)
+        if (p < 0).any():
+            raise ValueError(f"prefix_lens: expected values >= 0, got {int(p.min())}")
+    return info
+
+
+def check_build_tree(top_log_probs, top_token_ids, root_token_ids, budget, prefix_lens=None,
+                     *, check=None) -> TreeSizes:
+    """Inputs of ``build_tree``: see ``DESIGN.md`` and :func:`ddtree_numba.reference.build_tree`.
+
+    Value rules: log-probs are not NaN and ``<= 0`` (so a child never outscores its parent),
+    each ``[b, d, :]`` row is non-increasing, token ids are ``>= 0`` and distinct within a row.
+    """
+    sizes: dict = {}
+    infos = [
+        require_array("top_log_probs", top_log_probs, (FLOAT32,), ("bs", "L", "K"), sizes),
+        require_array("top_token_ids", top_token_ids, (INT32,), ("bs", "L", "K"), sizes),
+        require_array("root_token_ids", root_token_ids, (INT32,), ("bs",), sizes),
+    ]
+    if sizes["L"] < 1 or sizes["K"] < 1:
+        raise ValueError(f"top_log_probs: expected L >= 1 and K >= 1, got {describe(infos[0])}")
+    budget = require_int("budget", budget, low=0)
+    if prefix_lens is not None:
+        infos.append(require_array("prefix_lens", prefix_lens, (INT32,), ("bs",), sizes))
+    if _values_wanted(infos, check):
+        lp = host_values(top_log_probs)
+        ids = host_values(top_token_ids)
+        _no_nan("top_log_probs", lp)
+        if (lp > 0).any():
+            raise ValueError(
+                "top_log_probs: log-probabilities must be <= 0, got "
+                f"{float(lp.max())} at index {_first_index(lp > 0)}"
+            )
+        rising = lp[..., 1:] > lp[..., :-1]
+        if rising.any():
+            b, d, r = _first_index(rising)
+            raise ValueError(
+                f"top_log_probs: each [b, d, :] row must be sorted descending, row [{b}, {d}] "
+                f"rises at rank {r + 1} ({lp[b, d, r]} < {lp[b, d, r + 1]})"
+            )
+        if (ids < 0).any():
+            raise ValueError(f"top_token_ids: expected ids >= 0, got {int(ids.min())} at index "
+                             f"{_first_index(ids < 0)}")
+        ordered = np.sort(ids, axis=-1)
+        repeated = ordered[..., 1:] == ordered[..., :-1]
+        if repeated.any():
+            b, d, _ = _first_index(repeated)
+            raise ValueError(f"top_token_ids: ids must be distinct within a row, row [{b}, {d}] "
+                             "repeats one")
+        roots = host_values(root_token_ids)
+        if (roots < 0).any():
+            raise ValueError(f"root_token_ids: expected ids >= 0, got {int(roots.min())}")
+        if prefix_lens is not None and (host_values(prefix_lens) < 0).any():
+            raise ValueError("prefix_lens: expected values >= 0, got a negative one")
+    return TreeSizes(sizes["bs"], sizes["L"], sizes["K"], budget)
+
+
+def check_tree_from_parents(parents, token_ids, prefix_lens=None):
+    """``parents`` int32 ``[bs, N]``: -1 at the root and padding, ``0 <= parents[i] < i``
+    for every other node; nodes ``0..n-1`` valid, the rest padding. Returns ``num_nodes``."""
+    sizes: dict = {}
+    require_array("parents", parents, (INT32,), ("bs", "N"), sizes)
+    require_array("token_ids", token_ids, (INT32,), ("bs", "N"), sizes)
+    if sizes["N"] < 1:
+        raise ValueError("parents: expected N >= 1 (node 0 is the root)")
+    if prefix_lens is not None:
+        check_prefix_lens(prefix_lens, sizes, True)
+    par = host_values(parents)
+    tok = host_values(token_ids)
+    num_nodes = np.empty(sizes["bs"], np.int32)
+    index = np.arange(sizes["N"])
+    for b in range(sizes["bs"]):
+        if par[b, 0] != -1:
+            raise ValueError(f"parents: row {b} is not a tree: the root (node 0) must have "
+                             f"parent -1, got {par[b, 0]}")
+        padding = np.flatnonzero(par[b, 1:] == -1) + 1
+        n = int(padding[0]) if padding.size else sizes["N"]
+        if (par[b, n:] != -1).any():
+            raise ValueError(f"parents: row {b} is not a tree: node {n} has parent -1 but a "
+                             "later node has a parent (padding must be contiguous at the end)")
+        bad = (par[b, 1:n] < 0) | (par[b, 1:n] >= index[1:n])
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0]) + 1
+            raise ValueError(f"parents: row {b} is not a tree in topological order: expected "
+                             f"0 <= parents[{i}] < {i}, got {par[b, i]}")
+        if (tok[b, :n] < 0).any():
+            raise ValueError(f"token_ids: row {b} has a negative id among its {n} nodes")
+        num_nodes[b] = n
+    return num_nodes
+
+
+@dataclass(frozen=True)
+class AttnSizes:
+    bs: int
+    N: int
+    H: int
+    Dc: int
+    Dr: int
+    num_pages: int
+    page_size: int
+    max_pages: int
+
+
+def check_verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visibility_bits,
+                      num_nodes, sm_scale, *, check=None) -> AttnSizes:
+    sizes: dict = {}
+    infos = [
+        require_array("q_latent", q_latent, (FLOAT32,), ("bs", "N", "H", "Dc"), sizes),
+        require_array("q_rope", q_rope, (FLOAT32,), ("bs", "N", "H", "Dr"), sizes),
+        require_array("kv_cache", kv_cache, (FLOAT32, BFLOAT16, FLOAT16),
+                      ("num_pages", "page_size", "D"), sizes),
+        require_array("block_table", block_table, (INT32,), ("bs", "max_pages"), sizes),
+        require_array("prefix_lens", prefix_lens, (INT32,), ("bs",), sizes),
+    ]
+    sizes["W"] = (sizes["N"] + 31) // 32
+    infos.append(require_array("visibility_bits", visibility_bits, (UINT32,),
+                               ("bs", "N", "W"), sizes))
+    infos.append(require_array("num_nodes", num_nodes, (INT32,), ("bs",), sizes))
+    if sizes["D"] != sizes["Dc"] + sizes["Dr"]:
+        raise ValueError(f"kv_cache: expected last axis Dc + Dr = {sizes['Dc'] + sizes['Dr']} "
+                         f"(latent first, rope last), got {sizes['D']}")
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+        raise TypeError(f"sm_scale: expected a float, got {type(sm_scale).__name__}")
+    if not (np.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale: expected a finite float > 0, got {sm_scale}")
+    if _values_wanted(infos, check):
+        check_paged_slots(block_table, prefix_lens, sizes["N"], sizes["num_pages"],
+                          sizes["page_size"])
+        n = host_values(num_nodes)
+        if ((n < 1) | (n > sizes["N"])).any():
+            raise ValueError(f"num_nodes: expected values in [1, N={sizes['N']}], got "
+                             f"{n.tolist()}")
+        bits = host_values(visibility_bits)
+        for b in range(sizes["bs"]):
+            for i in range(int(n[b])):
+                row = bits[b, i]
+                if not (row[0] & 1) or not (row[i // 32] >> (i % 32)) & 1:
+                    raise ValueError(f"visibility_bits: row [{b}, {i}] must show the root "
+                                     "(bit 0) and the node itself (bit i)")
+            cols = np.arange(sizes["W"] * 32) >= n[b]
+            hidden = np.unpackbits(bits[b].view(np.uint8), axis=-1, bitorder="little")
+            if (hidden[: n[b]][:, cols]).any():
+                raise ValueError(f"visibility_bits: request {b} shows nodes >= num_nodes="
+                                 f"{int(n[b])}")
+    return AttnSizes(sizes["bs"], sizes["N"], sizes["H"], sizes["Dc"], sizes["Dr"],
+                     sizes["num_pages"], sizes["page_size"], sizes["max_pages"])
+
+
+def check_paged_slots(block_table, prefix_lens, N, num_pages, page_size):
+    """Slots ``[0, P + N)`` of every request map to valid, distinct pages of the cache."""
+    table = host_values(block_table)
+    prefix = host_values(prefix_lens)
+    if (prefix < 0).any():
+        raise ValueError(f"prefix_lens: expected values >= 0, got {prefix.tolist()}")
+    capacity = table.shape[1] * page_size
+    used = []
+    for b in range(table.shape[0]):
+        need = int(prefix[b]) + N
+        if need > capacity:
+            raise ValueError(
+                f"prefix_lens: request {b} needs slots [0, {need}) (prefix {int(prefix[b])} + "
+                f"N={N} tree nodes) but block_table maps only {capacity} "
+                f"({table.shape[1]} pages x {page_size})"
+            )
+        pages = table[b, : (need + page_size - 1) // page_size]
+        if ((pages < 0) | (pages >= num_pages)).any():
+            raise ValueError(f"block_table: request {b} uses a page outside [0, {num_pages}): "
+                             f"{pages.tolist()}")
+        used.append(pages)
+    used = np.concatenate(used) if used else np.empty(0, np.int32)
+    if np.unique(used).size != used.size:
+        raise ValueError("block_table: a page is used twice among the slots in use "
+                         "(requests must not share pages)")
+
+
+@dataclass(frozen=True)
+class AcceptSizes:
+    bs: int
+    N: int
+
+
+def check_tree_accept(token_ids, next_token, next_sibling, target_predict, *,
+                      check=None) -> AcceptSizes:
+    """Links are -1 or node indices in ``(0, N)``, no node is the target of two links, so the
+    first-child / next-sibling lists seen from the root form a tree and every walk ends."""
+    sizes: dict = {}
+    infos = [
+        require_array("token_ids", token_ids, (INT32,), ("bs", "N"), sizes),
+        require_array("next_token", next_token, (INT32,), ("bs", "N"), sizes),
+        require_array("next_sibling", next_sibling, (INT32,), ("bs", "N"), sizes),
+        require_array("target_predict", target_predict, (INT32,), ("bs", "N"), sizes),
+    ]
+    if sizes["N"] < 1:
+        raise ValueError("token_ids: expected N >= 1 (node 0 is the root)")
+    if _values_wanted(infos, check):
+        for name, links in (("next_token", next_token), ("next_sibling", next_sibling)):
+            v = host_values(links)
+            bad = (v < -1) | (v == 0) | (v >= sizes["N"])
+            if bad.any():
+                raise ValueError(f"{name}: expected -1 or a node index in [1, N={sizes['N']}), "
+                                 f"got {int(v[bad][0])} at index {_first_index(bad)}")
+        both = np.concatenate([host_values(next_token), host_values(next_sibling)], axis=1)
+        for b in range(sizes["bs"]):
+            targets = both[b][both[b] >= 0]
+            if np.unique(targets).size != targets.size:
+                raise ValueError(f"next_token/next_sibling: request {b} links to a node twice, "
+                                 "so its lists are not a tree")
+    return AcceptSizes(sizes["bs"], sizes["N"])
+
+
+@dataclass(frozen=True)
+class CommitSizes:
+    bs: int
+    N: int
+    num_pages: int
+    page_size: int
+    D: int
+
+
+def check_commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len, *,
+                    check=None) -> CommitSizes:
+    """The accepted path starts at the root, strictly increases (so ``a_i >= i``: the moves
+    cannot overwrite a row still to be read), and ends after ``accept_len`` nodes."""
+    sizes: dict = {}
+    infos = [
+        require_array("kv_cache", kv_cache, (FLOAT32, BFLOAT16, FLOAT16),
+                      ("num_pages", "page_size", "D"), sizes),
+        require_array("block_table", block_table, (INT32,), ("bs", "max_pages"), sizes),
+        require_array("prefix_lens", prefix_lens, (INT32,), ("bs",), sizes),
+        require_array("accept_nodes", accept_nodes, (INT32,), ("bs", "N"), sizes),
+        require_array("accept_len", accept_len, (INT32,), ("bs",), sizes),
+    ]
+    if _values_wanted(infos, check):
+        n = sizes["N"]
+        check_paged_slots(block_table, prefix_lens, n, sizes["num_pages"], sizes["page_size"])
+        k = host_values(accept_len)
+        path = host_values(accept_nodes)
+        if ((k < 0) | (k > n - 1)).any():
+            raise ValueError(f"accept_len: expected values in [0, N-1={n - 1}], got {k.tolist()}")
+        for b in range(sizes["bs"]):
+            nodes = path[b, : k[b] + 1]
+            if nodes[0] != 0 or (np.diff(nodes) <= 0).any() or nodes[-1] >= n:
+                raise ValueError(f"accept_nodes: row {b} is not a root path of the tree: expected "
+                                 f"0 = a_0 < a_1 < ... < a_k < N, got {nodes.tolist()}")
+    return CommitSizes(sizes["bs"], sizes["N"], sizes["num_pages"], sizes["page_size"],
+                       sizes["D"])

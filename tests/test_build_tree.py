@@ -1,0 +1,254 @@
+"""build_tree: the reference's properties, Algorithm 1 written independently, the kernels."""
+
+import dataclasses
+import heapq
+
+import numpy as np
+import pytest
+from cases import random_parents, random_topk, random_tree_inputs
+
+from ddtree_numba import DraftTree
+from ddtree_numba import kernels as K
+from ddtree_numba import reference as ref
+
+
+# ------------------------------------------------------------------------------------------
+# Properties of the reference
+# ------------------------------------------------------------------------------------------
+def assert_tree_invariants(tree: DraftTree, prefix_lens=None):
+    bs, N = tree.parents.shape
+    W = (N + 31) // 32
+    assert tree.visibility_bits.shape == (bs, N, W)
+    for b in range(bs):
+        n = int(tree.num_nodes[b])
+        assert 1 <= n <= N
+        par, dep = tree.parents[b], tree.depths[b]
+        assert par[0] == -1 and dep[0] == 0 and tree.log_weights[b, 0] == 0
+        for i in range(1, n):
+            assert 0 <= par[i] < i
+            assert dep[i] == dep[par[i]] + 1
+        assert (np.diff(tree.log_weights[b, :n]) <= 0).all(), "scores must not rise"
+        # visibility = ancestor closure
+        for i in range(n):
+            anc, a = set(), i
+            while a >= 0:
+                anc.add(a)
+                a = par[a]
+            assert set(np.flatnonzero(tree.visibility[b, i])) == anc
+        np.testing.assert_array_equal(tree.visibility_bits[b], ref.pack_bits(tree.visibility[b], W))
+        # first-child / next-sibling lists enumerate children in ascending index order
+        for p in range(n):
+            listed, c = [], tree.next_token[b, p]
+            while c != -1:
+                listed.append(int(c))
+                c = tree.next_sibling[b, c]
+            assert listed == [i for i in range(1, n) if par[i] == p]
+            tokens = tree.token_ids[b, listed]
+            assert len(set(tokens.tolist())) == len(listed), "siblings have distinct tokens"
+        offset = 0 if prefix_lens is None else prefix_lens[b]
+        np.testing.assert_array_equal(tree.positions[b, :n], offset + dep[:n])
+        # padding
+        assert (par[n:] == -1).all() and (dep[n:] == -1).all()
+        assert (tree.token_ids[b, n:] == -1).all() and (tree.positions[b, n:] == -1).all()
+        assert np.isneginf(tree.log_weights[b, n:]).all()
+        assert (tree.next_token[b, n:] == -1).all() and (tree.next_sibling[b, n:] == -1).all()
+        assert not tree.visibility[b, n:].any() and not tree.visibility[b, :, n:].any()
+        assert (tree.visibility_bits[b, n:] == 0).all()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_reference_invariants(seed):
+    rng = np.random.default_rng(seed)
+    bs, L, Kk = int(rng.integers(1, 5)), int(rng.integers(1, 17)), int(rng.integers(1, 65))
+    budget = int(rng.integers(0, 301))
+    lp, ids = random_topk(rng, bs, L, Kk, neg_inf=0.2 if seed % 4 == 0 else 0.0)
+    roots = rng.integers(0, 100, bs).astype(np.int32)
+    prefix = rng.integers(0, 1000, bs).astype(np.int32)
+    tree = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
+    assert tree.parents.shape == (bs, budget + 1)
+    assert_tree_invariants(tree, prefix)
+    np.testing.assert_array_equal(tree.token_ids[:, 0], roots)
+
+
+def algorithm1(lp: np.ndarray, budget: int):
+    """DDTree Algorithm 1 written independently: a heap of rank tuples (paths).
+
+    Returns the popped paths in order. Only used on inputs without score ties, where the
+    order is unique.
+    """
+    L, K = lp.shape
+
+    def score(path):
+        s = np.float32(0.0)
+        for d, r in enumerate(path):
+            s = np.float32(s + lp[d, r])
+        return s
+
+    heap, popped = [(-score((0,)), (0,))], []
+    while heap and len(popped) < budget:
+        neg, path = heapq.heappop(heap)
+        if neg == np.inf:
+            break
+        popped.append(path)
+        if path[-1] + 1 < K:
+            sibling = path[:-1] + (path[-1] + 1,)
+            heapq.heappush(heap, (-score(sibling), sibling))
+        if len(path) < L:
+            child = path + (0,)
+            heapq.heappush(heap, (-score(child), child))
+    return popped
+
+
+def paths_of(tree: DraftTree, b: int, lp_ranks) -> list:
+    """Rank path of every non-root node of request b, in node order."""
+    paths = {0: ()}
+    for i in range(1, int(tree.num_nodes[b])):
+        paths[i] = paths[int(tree.parents[b, i])] + (lp_ranks[i],)
+    return [paths[i] for i in range(1, int(tree.num_nodes[b]))]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_reference_matches_algorithm1_without_ties(seed):
+    rng = np.random.default_rng(100 + seed)
+    L, Kk, budget = int(rng.integers(1, 9)), int(rng.integers(1, 9)), int(rng.integers(0, 120))
+    lp, ids = random_topk(rng, 1, L, Kk)
+    tree = ref.build_tree(lp, ids, np.zeros(1, np.int32), budget)
+    # rank of each node = position of its token in its depth row
+    ranks = [-1] + [int(np.flatnonzero(ids[0, tree.depths[0, i] - 1] == tree.token_ids[0, i])[0])
+                    for i in range(1, int(tree.num_nodes[0]))]
+    assert paths_of(tree, 0, ranks) == algorithm1(lp[0], budget)
+
+
+def test_ties_prefer_smaller_parent_then_smaller_rank():
+    # depth 1: two equal tokens -> the rank-0 one first; depth 2 all equal -> the earlier parent
+    lp = np.log(np.array([[[0.5, 0.5, 1.0], [0.25, 0.25, 0.25]]], np.float32))  # [1, 2, 3]
+    lp[0, 0, 2] = -np.inf
+    ids = np.array([[[7, 3, 9], [1, 2, 4]]], np.int32)
+    tree = ref.build_tree(lp, ids, np.array([0], np.int32), 8)
+    # pops: (0,0)=-0.69 -> node 1; (0,1)=-0.69 ties (0,0)'s child? child of 1 is -2.08; so
+    # node 2 = (0,1); then children of 1 (parent 1 < 2) come before children of 2.
+    assert tree.parents[0, 1:].tolist() == [0, 0, 1, 1, 1, 2, 2, 2]
+    assert tree.token_ids[0, 1:].tolist() == [7, 3, 1, 2, 4, 1, 2, 4]
+    assert tree.num_nodes[0] == 9
+
+
+def test_neg_inf_is_never_pushed_and_budget_can_exceed_the_finite_prefixes():
+    lp = np.array([[[-0.1, -np.inf], [-0.2, -np.inf]]], np.float32)
+    ids = np.array([[[5, 6], [7, 8]]], np.int32)
+    tree = ref.build_tree(lp, ids, np.array([1], np.int32), 10)
+    assert tree.num_nodes[0] == 3                     # root -> 5 -> 7 and nothing else
+    assert tree.token_ids[0, :3].tolist() == [1, 5, 7]
+    all_inf = np.full((1, 2, 2), -np.inf, np.float32)
+    assert ref.build_tree(all_inf, ids, np.array([1], np.int32), 10).num_nodes[0] == 1
+
+
+@pytest.mark.parametrize("budget", [0, 1])
+def test_budget_zero_and_one(budget):
+    lp, ids = random_topk(np.random.default_rng(1), 2, 3, 4)
+    tree = ref.build_tree(lp, ids, np.array([4, 5], np.int32), budget)
+    assert tree.parents.shape == (2, budget + 1)
+    assert (tree.num_nodes == budget + 1).all()
+    if budget:
+        assert (tree.token_ids[:, 1] == ids[:, 0, 0]).all()   # the best depth-1 token
+
+
+def test_k1_is_a_chain_and_l1_is_a_star():
+    lp, ids = random_topk(np.random.default_rng(2), 1, 6, 1)
+    chain = ref.build_tree(lp, ids, np.zeros(1, np.int32), 10)
+    assert chain.num_nodes[0] == 7 and chain.parents[0, 1:7].tolist() == [0, 1, 2, 3, 4, 5]
+    lp, ids = random_topk(np.random.default_rng(3), 1, 1, 6)
+    star = ref.build_tree(lp, ids, np.zeros(1, np.int32), 10)
+    assert star.num_nodes[0] == 7 and (star.parents[0, 1:7] == 0).all()
+    assert star.token_ids[0, 1:7].tolist() == ids[0, 0].tolist()
+
+
+def test_tree_from_parents_matches_build_tree():
+    lp, ids, roots, budget, prefix = random_tree_inputs(np.random.default_rng(4), budget=40)
+    tree = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
+    wrapped = ref.tree_from_parents(tree.parents, tree.token_ids, prefix_lens=prefix)
+    for f in dataclasses.fields(DraftTree):
+        if f.name != "log_weights":
+            np.testing.assert_array_equal(getattr(wrapped, f.name), getattr(tree, f.name), f.name)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_tree_from_parents_random_topological_trees(seed):
+    rng = np.random.default_rng(seed)
+    parents, tokens = random_parents(rng, 3, 40)
+    tree = ref.tree_from_parents(parents, tokens)
+    assert_tree_invariants(tree)
+
+
+# ------------------------------------------------------------------------------------------
+# Kernels: bit-exact to the reference
+# ------------------------------------------------------------------------------------------
+def assert_trees_equal(got: DraftTree, want: DraftTree):
+    got = got.to_host()
+    for f in dataclasses.fields(DraftTree):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        assert a.dtype == b.dtype and a.shape == b.shape, f.name
+        np.testing.assert_array_equal(a, b, err_msg=f.name)
+
+
+def kernel_variants():
+    return ["scan"] if K.SIMULATOR else ["scan", "warp"]
+
+
+@pytest.mark.parametrize("seed", range(120))
+def test_kernel_bit_exact_random(seed):
+    rng = np.random.default_rng(1000 + seed)
+    lp, ids, roots, budget, prefix = random_tree_inputs(
+        rng, ties=seed % 3 == 0, neg_inf=0.3 if seed % 5 == 0 else 0.0)
+    want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
+    for variant in kernel_variants():
+        assert_trees_equal(K.build_tree(lp, ids, roots, budget, prefix_lens=prefix,
+                                        variant=variant), want)
+
+
+@pytest.mark.parametrize("case", ["budget0", "budget1", "k1", "l1", "all_neg_inf", "no_prefix",
+                                  "ties", "more_budget_than_prefixes", "one_word_boundary"])
+def test_kernel_bit_exact_edges(case):
+    rng = np.random.default_rng(7)
+    kw = {"budget0": dict(budget=0), "budget1": dict(budget=1), "k1": dict(K=1, budget=20),
+          "l1": dict(L=1, K=8, budget=20), "all_neg_inf": dict(budget=10),
+          "no_prefix": dict(budget=30), "ties": dict(budget=50),
+          "more_budget_than_prefixes": dict(L=2, K=3, budget=40),
+          "one_word_boundary": dict(L=6, K=6, budget=64)}[case]
+    lp, ids, roots, budget, prefix = random_tree_inputs(rng, bs=3, ties=case == "ties", **kw)
+    if case == "all_neg_inf":
+        lp[1] = -np.inf
+    if case == "no_prefix":
+        prefix = None
+    want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
+    for variant in kernel_variants():
+        assert_trees_equal(K.build_tree(lp, ids, roots, budget, prefix_lens=prefix,
+                                        variant=variant), want)
+
+
+def test_kernel_accepts_device_arrays_and_fills_preallocated_outputs():
+    from numba import cuda
+
+    lp, ids, roots, budget, prefix = random_tree_inputs(np.random.default_rng(8), budget=25)
+    want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
+    out = K.allocate_tree(lp.shape[0], budget + 1)
+    got = K.build_tree(cuda.to_device(lp), cuda.to_device(ids), cuda.to_device(roots), budget,
+                       prefix_lens=cuda.to_device(prefix), out=out)
+    assert got is out
+    assert_trees_equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(200))
+def test_warp_kernel_bit_exact_at_real_sizes(seed):
+    rng = np.random.default_rng(5000 + seed)
+    bs = int(rng.integers(1, 17))
+    L = int(rng.integers(1, 33))
+    Kk = int(rng.choice([1, 2, 8, 64, 256, 1024]))
+    budget = int(rng.choice([0, 1, 63, 64, 255, 256, 1024, 1055]))
+    lp, ids = random_topk(rng, bs, L, Kk, V=Kk + 64, ties=seed % 4 == 0,
+                          neg_inf=0.1 if seed % 7 == 0 else 0.0, peaked=seed % 2 == 0)
+    roots = rng.integers(0, 1000, bs).astype(np.int32)
+    prefix = rng.integers(0, 4096, bs).astype(np.int32)
+    want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
+    assert_trees_equal(K.build_tree(lp, ids, roots, budget, prefix_lens=prefix,
+                                    variant="warp"), want)

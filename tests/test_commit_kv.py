@@ -1,0 +1,71 @@
+"""commit_kv: paged cache, shuffled block table, pages crossed, k = 0, untouched rows."""
+
+import numpy as np
+import pytest
+from cases import paged_cache
+from ml_dtypes import bfloat16
+
+from ddtree_numba import kernels as K
+from ddtree_numba import reference as ref
+
+
+def random_paths(rng, bs, N, max_k):
+    nodes = np.full((bs, N), -1, np.int32)
+    lens = np.zeros(bs, np.int32)
+    for b in range(bs):
+        k = int(rng.integers(0, min(max_k, N - 1) + 1))
+        nodes[b, 0] = 0
+        nodes[b, 1 : k + 1] = np.sort(rng.choice(np.arange(1, N), k, replace=False))
+        lens[b] = k
+    return nodes, lens
+
+
+def expected(cache, table, prefix, nodes, lens):
+    want = cache.copy()
+    page_size = cache.shape[1]
+    for b in range(len(prefix)):
+        P = int(prefix[b])
+        for i in range(1, int(lens[b]) + 1):          # sequential ascending order
+            s, d = P + nodes[b, i], P + i
+            want[table[b, d // page_size], d % page_size] = \
+                want[table[b, s // page_size], s % page_size]
+    return want
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16, np.float16])
+def test_reference_and_kernel(seed, dtype):
+    rng = np.random.default_rng(seed)
+    bs, N = int(rng.integers(1, 5)), int(rng.integers(1, 40))
+    page_size = int(rng.choice([1, 4, 16]))
+    prefix = rng.integers(0, 30, bs).astype(np.int32)
+    cache, table = paged_cache(rng, bs, prefix, N, page_size=page_size, D=12, dtype=dtype)
+    nodes, lens = random_paths(rng, bs, N, max_k=12)
+    want = expected(cache, table, prefix, nodes, lens)
+
+    got_ref = cache.copy()
+    new_ref = ref.commit_kv(got_ref, table, prefix, nodes, lens)
+    assert got_ref.tobytes() == want.tobytes()         # bit-exact, every other row untouched
+    np.testing.assert_array_equal(new_ref, prefix + lens + 1)
+
+    got_k = cache.copy()
+    new_k = K.commit_kv(got_k, table, prefix, nodes, lens)
+    assert got_k.tobytes() == want.tobytes()
+    np.testing.assert_array_equal(new_k.copy_to_host(), prefix + lens + 1)
+
+
+def test_overlapping_moves_and_k0():
+    """Path 0 -> 2 -> 3: move 1 reads the slot that move 2 writes (read-all-then-write)."""
+    rng = np.random.default_rng(0)
+    prefix = np.array([3, 0], np.int32)
+    cache, table = paged_cache(rng, 2, prefix, 5, page_size=2, D=4)
+    nodes = np.array([[0, 2, 3, -1, -1], [0, -1, -1, -1, -1]], np.int32)
+    lens = np.array([2, 0], np.int32)
+    want = expected(cache, table, prefix, nodes, lens)
+    row = lambda c, b, s: c[table[b, s // 2], s % 2]   # noqa: E731
+    np.testing.assert_array_equal(row(want, 0, 4), row(cache, 0, 5))   # slot P+1 <- P+2
+    np.testing.assert_array_equal(row(want, 0, 5), row(cache, 0, 6))   # slot P+2 <- P+3
+    for impl in (ref.commit_kv, K.commit_kv):
+        got = cache.copy()
+        impl(got, table, prefix, nodes, lens)
+        np.testing.assert_array_equal(got, want)

@@ -1,0 +1,91 @@
+"""draft_topk: the reference's rules and the kernel (ids exact, log-probs within a bound)."""
+
+import numpy as np
+import pytest
+from ml_dtypes import bfloat16
+
+from ddtree_numba import kernels as K
+from ddtree_numba import reference as ref
+
+EPS32 = np.finfo(np.float32).eps
+
+
+def test_reference_order_ties_and_values():
+    x = np.array([[[1.0, 3.0, 3.0, -np.inf, 2.0]]], np.float32)
+    lp, ids = ref.draft_topk(x, 5)
+    assert ids.tolist() == [[[1, 2, 4, 0, 3]]]                   # ties: smaller id first
+    lse = np.log(np.exp([1.0, 3.0, 3.0, 2.0]).sum())
+    np.testing.assert_allclose(lp[0, 0, :4], np.array([3, 3, 2, 1]) - lse, rtol=1e-6)
+    assert lp[0, 0, 4] == -np.inf
+    assert lp.dtype == np.float32 and ids.dtype == np.int32
+
+
+def test_reference_all_neg_inf_row_and_fewer_finite_than_k():
+    x = np.full((1, 2, 6), -np.inf, np.float32)
+    x[0, 1, 4] = 0.5
+    lp, ids = ref.draft_topk(x, 3)
+    assert ids.tolist() == [[[0, 1, 2], [4, 0, 1]]]
+    assert np.isneginf(lp[0, 0]).all()
+    assert lp[0, 1].tolist() == [0.0, -np.inf, -np.inf]
+
+
+def error_bound(x_row, lp_ref, V, threads):
+    """|kernel - reference| bound: float32 sum-exp error + rounding of lse and of x - lse."""
+    finite = np.isfinite(lp_ref)
+    lse = np.float64(x_row.max()) + np.log(np.exp(x_row.astype(np.float64) - x_row.max()).sum())
+    sum_error = (V / threads + 16) * EPS32
+    return sum_error + EPS32 * abs(lse) + EPS32 * np.abs(lp_ref), finite
+
+
+def check_kernel(x, k):
+    lp, ids = K.draft_topk(x, k)
+    lp, ids = lp.copy_to_host(), ids.copy_to_host()
+    want_lp, want_ids = ref.draft_topk(x, k)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(np.isneginf(lp), np.isneginf(want_lp))
+    x32 = np.asarray(x).astype(np.float32)
+    from ddtree_numba.kernels.draft_topk import TOPK_THREADS
+
+    for b in range(x.shape[0]):
+        for d in range(x.shape[1]):
+            if np.isneginf(x32[b, d]).all():
+                continue
+            bound, finite = error_bound(x32[b, d], want_lp[b, d], x.shape[2], TOPK_THREADS)
+            err = np.abs(lp[b, d][finite] - want_lp[b, d][finite])
+            assert (err <= bound[finite]).all(), (b, d, err.max())
+
+
+@pytest.mark.parametrize("case", ["random", "ties", "neg_inf", "k1", "k_equals_v", "bf16",
+                                  "signed_zeros"])
+def test_kernel_matches_reference(case):
+    rng = np.random.default_rng(hash(case) % 2**32)
+    V, k = 96, 12
+    x = rng.standard_normal((2, 2, V)).astype(np.float32)
+    if case == "ties":
+        x = np.round(x)                                 # many exactly equal logits
+    if case == "neg_inf":
+        x[0, 0] = -np.inf                               # a row of only -inf
+        x[1, 1, 5:] = -np.inf                           # fewer than k finite entries
+    if case == "k1":
+        k = 1
+    if case == "k_equals_v":
+        k = V
+    if case == "bf16":
+        x = x.astype(bfloat16)
+    if case == "signed_zeros":
+        x[:] = 0.0
+        x[..., ::3] = -0.0                              # -0.0 == +0.0: ties by id
+    check_kernel(x, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("V, k", [(32000, 16), (32000, 256), (163840, 1024), (163840, 256),
+                                  (5000, 1024), (1500, 1024)])
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16])
+def test_kernel_real_sizes(V, k, dtype):
+    rng = np.random.default_rng(V + k)
+    x = (rng.standard_normal((3, 5, V)) * 3).astype(dtype)
+    x[0, 0] = np.round(x[0, 0].astype(np.float32))     # massive ties: refinement levels
+    x[1, 2, 100:] = -np.inf                             # fewer finite than k
+    x[2, 4] = -np.inf                                   # all -inf: the ordered-ties path
+    check_kernel(x, k)

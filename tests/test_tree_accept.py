@@ -1,0 +1,111 @@
+"""tree_accept: hand-built trees with known answers, random trees, kernel vs reference."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from cases import random_parents, random_tree_inputs
+
+from ddtree_numba import AcceptResult
+from ddtree_numba import kernels as K
+from ddtree_numba import reference as ref
+
+#           0 (root, token 100)
+#         / | \
+#        1  2  3         tokens 10, 11, 12
+#       /   |
+#      4    5            tokens 20, 21
+#           |
+#           6            token 30
+PARENTS = np.array([-1, 0, 0, 0, 1, 2, 5], np.int32)
+TOKENS = np.array([100, 10, 11, 12, 20, 21, 30], np.int32)
+
+
+def hand_tree():
+    return ref.tree_from_parents(PARENTS[None], TOKENS[None])
+
+
+def accept(tree, predict):
+    return ref.tree_accept(tree.token_ids, tree.next_token, tree.next_sibling, predict)
+
+
+@pytest.mark.parametrize("predict, path, tokens", [
+    # immediate rejection: the target wants 99 after the root
+    ([99, 0, 0, 0, 0, 0, 0], [0], [99]),
+    # first child accepted, then rejected below it
+    ([10, 7, 0, 0, 0, 0, 0], [0, 1], [10, 7]),
+    # leaves the first child for a later sibling (2), then the deepest leaf (6)
+    ([11, 0, 21, 0, 0, 30, 42], [0, 2, 5, 6], [11, 21, 30, 42]),
+    # last sibling
+    ([12, 0, 0, 5, 0, 0, 0], [0, 3], [12, 5]),
+])
+def test_hand_built_tree(predict, path, tokens):
+    res = accept(hand_tree(), np.array([predict], np.int32))
+    k = len(path) - 1
+    assert res.accept_len.tolist() == [k]
+    assert res.accept_nodes[0].tolist() == path + [-1] * (7 - len(path))
+    assert res.accept_tokens[0].tolist() == tokens + [-1] * (7 - len(tokens))
+    assert res.bonus_token.tolist() == [tokens[-1]]
+
+
+def test_root_without_children_and_batched_sizes():
+    parents = np.array([[-1, 0, 1, -1], [-1, -1, -1, -1]], np.int32)
+    tokens = np.array([[5, 6, 7, -1], [9, -1, -1, -1]], np.int32)
+    tree = ref.tree_from_parents(parents, tokens)
+    res = accept(tree, np.array([[6, 7, 8, 0], [3, 0, 0, 0]], np.int32))
+    assert res.accept_len.tolist() == [2, 0]
+    assert res.accept_tokens.tolist() == [[6, 7, 8, -1], [3, -1, -1, -1]]
+    assert res.bonus_token.tolist() == [8, 3]
+
+
+def follow_path_predictions(rng, tree, b, depth_bias):
+    """Predictions that follow a random root path (any sibling), then stop at random."""
+    N = tree.parents.shape[1]
+    predict = rng.integers(10**6, 2 * 10**6, N).astype(np.int32)    # tokens no node has
+    cur = 0
+    while rng.random() < depth_bias:
+        kids = np.flatnonzero(tree.parents[b] == cur)
+        if kids.size == 0:
+            break
+        child = int(rng.choice(kids))
+        predict[cur] = tree.token_ids[b, child]
+        cur = child
+    return predict
+
+
+def assert_accept_equal(got, want):
+    got = got.to_host()
+    for f in dataclasses.fields(AcceptResult):
+        np.testing.assert_array_equal(getattr(got, f.name), getattr(want, f.name), f.name)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_kernel_matches_reference_on_built_trees(seed):
+    rng = np.random.default_rng(seed)
+    lp, ids, roots, budget, prefix = random_tree_inputs(rng, budget=int(rng.integers(0, 80)))
+    tree = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
+    bias = [0.0, 0.5, 0.95][seed % 3]
+    predict = np.stack([follow_path_predictions(rng, tree, b, bias)
+                        for b in range(tree.parents.shape[0])])
+    want = accept(tree, predict)
+    assert_accept_equal(K.tree_accept(tree.token_ids, tree.next_token, tree.next_sibling,
+                                      predict), want)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_kernel_matches_reference_on_foreign_sibling_orders(seed):
+    """Trees from tree_from_parents: numbering is not best-first, lists are not score order."""
+    rng = np.random.default_rng(50 + seed)
+    parents, tokens = random_parents(rng, 3, 30)
+    tree = ref.tree_from_parents(parents, tokens)
+    # engines may order sibling lists differently: reverse every list (still a valid tree)
+    nt, ns = tree.next_token.copy(), np.full_like(tree.next_sibling, -1)
+    for b in range(3):
+        for p in range(int(tree.num_nodes[b])):
+            kids = np.flatnonzero(tree.parents[b] == p)[::-1]
+            nt[b, p] = kids[0] if kids.size else -1
+            for a, c in zip(kids[:-1], kids[1:], strict=True):
+                ns[b, a] = c
+    predict = np.stack([follow_path_predictions(rng, tree, b, 0.9) for b in range(3)])
+    want = ref.tree_accept(tree.token_ids, nt, ns, predict)
+    assert_accept_equal(K.tree_accept(tree.token_ids, nt, ns, predict), want)
