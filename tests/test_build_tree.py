@@ -252,3 +252,14 @@ def test_warp_kernel_bit_exact_at_real_sizes(seed):
     want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
     assert_trees_equal(K.build_tree(lp, ids, roots, budget, prefix_lens=prefix,
                                     variant="warp"), want)
+
+
+@pytest.mark.gpu
+def test_warp_kernel_bit_exact_bs256():
+    rng = np.random.default_rng(77)
+    lp, ids = random_topk(rng, 256, 15, 64, V=80, peaked=True)
+    roots = rng.integers(0, 1000, 256).astype(np.int32)
+    prefix = rng.integers(0, 4096, 256).astype(np.int32)
+    want = ref.build_tree(lp, ids, roots, 256, prefix_lens=prefix)
+    assert_trees_equal(K.build_tree(lp, ids, roots, 256, prefix_lens=prefix, variant="warp"),
+                       want)

@@ -19,29 +19,36 @@ Launches (one batch, no host synchronisation, no per-request Python loop)::
 Select, variant ``"scan"`` (readable; the simulator path): one thread per request; each pop
 scans ``cand[0:count]`` for the arg-max, ``O(count)`` per pop and ``O(B^2)`` per tree.
 
-Select, variant ``"warp"`` (fast; GPU only, needs warp shuffles): a two-level tournament run by
-one warp. Lane ``l`` owns the contiguous node group ``[33 l, 33 l + 33)`` (``33 * 32 = 1056``
-nodes, so ``N <= 1056``) and keeps its group's best ``(score, node)`` in registers. A pop is
+Select, variant ``"warp"`` (fast; GPU sm_80+, needs warp intrinsics): a two-level tournament
+run by one warp. Scores are compared as *orderable keys* (float32 bits mapped to uint32 so that
+unsigned order = float order; key 0 = no candidate). Lane ``l`` owns the contiguous node group
+``[33 l, 33 l + 33)`` (``33 * 32 = 1056`` nodes, so ``N <= 1056``) and keeps its group's best
+``(key, node)`` in registers. A pop is
 
-* a warp max of the 32 lane bests (5 ``shfl_xor``), then ``ffs(ballot(best == max))``: the lowest
-  lane holding the max, i.e. the smallest node index among equal scores (groups are contiguous
-  and ascending, and each lane keeps the smallest node of its own ties): the reference's order;
+* ``redux.sync.max`` of the 32 lane bests (one instruction), then ``ffs(ballot(best == max))``:
+  the lowest lane holding the max, i.e. the smallest node index among equal scores (groups are
+  contiguous and ascending, and each lane keeps the smallest node of its own ties): the
+  reference's order;
 * a handful of shared-memory reads (``next_rank``, ``depth``, ``score`` of ``p``; two log-probs
   from a shared-memory copy of ``top_log_probs[b, :, :R]``), one lane writing the new node;
-* the refresh of two lane bests: the popped node's lane re-scans its 33 entries (unrolled,
-  independent loads), the new node's lane compares one value.
+* the refresh of the two lane bests that changed: the whole warp rescans the popped node's
+  group (each lane reads 2 of its 33 entries, one more ``redux`` + ``ballot``), and the new
+  node's lane compares one key.
 
-That is ``O(log 32 + N / 32)`` latency per pop instead of ``O(count)``, with no block-wide
-barrier inside the loop (only ``syncwarp``). The other three warps of the block help with the
-cooperative set-up (initialise shared arrays, stage log-probs) and the coalesced write-out.
+So a pop costs two warp reductions and four dependent shared-memory round trips, whatever
+``N``, with no block-wide barrier inside the loop (only ``syncwarp``). History: the first
+version rescanned the group serially in its owner lane (33 dependent loads) and reduced with a
+5-step ``shfl_xor`` tree: 0.78 us per pop on the H200; see ``benchmarks/NOTES.md``. The other
+three warps of the block help with the set-up (initialise shared arrays, stage log-probs) and
+the coalesced write-out.
 
 Why the order is exactly the reference's: both pop the maximum of the same frontier with the
 same tie rule; scores are the same float32 sums (``score(p) + lp``, one rounding, never a
-subtraction); ``-inf`` candidates are never selected because a selection needs ``> -inf``.
+subtraction); ``-inf`` candidates are never selected (a selection needs ``> -inf``, key ``> 0``).
 
 Shared memory of the warp variant (static, per block)::
 
-    cand, score               float32[1056]   8.4 KB   frontier score per node, node scores
+    cand, score       uint32, float32[1056]   8.4 KB   candidate key per node, node scores
     next_rank                 int32[1056]     4.2 KB   next unexpanded rank per node
     parent, depth, rank,
     first_child, next_sib,
@@ -61,9 +68,10 @@ from numba import cuda, float32, int16, int32, uint32
 from ..contracts import DraftTree
 from ..validation import MAX_DEPTH, MAX_NODES, check_build_tree
 from ._device import SIMULATOR, as_device, device_empty, launch_stream
+from ._primitives import float_of_key, key_of_float, warp_max_u32
 
 NODE_CAPACITY = MAX_NODES           # 1056 = 32 lanes x 33 nodes
-GROUP = NODE_CAPACITY // 32         # nodes owned by one lane in the warp tournament
+GROUP = NODE_CAPACITY // 32         # nodes owned by one lane in the warp tournament (33)
 MAX_WORDS = (NODE_CAPACITY + 31) // 32   # W for the largest N
 LP_CACHE = 4096                     # float32 log-probs staged in shared memory per request
 SELECT_THREADS = 128                # warp variant: 1 warp pops, 4 warps set up and write out
@@ -149,6 +157,14 @@ def _log_prob(lp, lp_cache, b, d, r, R):
     return lp[b, d, r]
 
 
+@cuda.jit(device=True, inline=True)
+def _candidate_key(score):
+    """Orderable key of a candidate score; key 0 (= not pushed) for ``-inf``."""
+    if score == NEG_INF:
+        return uint32(0)
+    return key_of_float(score)
+
+
 @cuda.jit
 def _select_warp_kernel(lp, budget, parents, depths, log_weights, next_token, next_sibling,
                         ranks, num_nodes):
@@ -159,7 +175,7 @@ def _select_warp_kernel(lp, budget, parents, depths, log_weights, next_token, ne
     L, K = lp.shape[1], lp.shape[2]
     N = parents.shape[1]
 
-    cand = cuda.shared.array(NODE_CAPACITY, float32)
+    cand = cuda.shared.array(NODE_CAPACITY, uint32)     # orderable key of p's candidate
     score = cuda.shared.array(NODE_CAPACITY, float32)
     next_rank = cuda.shared.array(NODE_CAPACITY, int32)
     parent_s = cuda.shared.array(NODE_CAPACITY, int16)
@@ -174,7 +190,7 @@ def _select_warp_kernel(lp, budget, parents, depths, log_weights, next_token, ne
     # 1. set-up by the whole block: empty frontier, empty lists, log-probs staged
     R = min(K, LP_CACHE // L)                       # cached ranks per depth row
     for i in range(tid, NODE_CAPACITY, SELECT_THREADS):
-        cand[i] = NEG_INF
+        cand[i] = 0
         first_child[i] = -1
         next_sib[i] = -1
         last_child[i] = -1
@@ -191,39 +207,38 @@ def _select_warp_kernel(lp, budget, parents, depths, log_weights, next_token, ne
             parent_s[0] = -1
             rank_s[0] = -1
             next_rank[0] = 0
-            cand[0] = float32(0.0) + lp_cache[0]
+            cand[0] = _candidate_key(float32(0.0) + lp_cache[0])
         cuda.syncwarp(FULL_MASK)                    # lane 0's writes visible to the warp
-        best_s = cand[0] if lane == 0 else NEG_INF  # this lane's group best: score, node
-        best_n = 0 if lane == 0 else -1
+        best_key = cand[0] if lane == 0 else uint32(0)   # this lane's group best: key, node
+        best_node = 0 if lane == 0 else -1
 
         count = 1
         while count - 1 < budget:
-            # 2. global arg-max: warp max, then the lowest lane holding it
-            m = best_s
-            for offset in (16, 8, 4, 2, 1):
-                m = max(m, cuda.shfl_xor_sync(FULL_MASK, m, offset))
-            if m == NEG_INF:                        # frontier empty (uniform across the warp)
+            # 2. global arg-max: one redux max, then the lowest lane holding it
+            m = warp_max_u32(best_key)
+            if m == 0:                              # frontier empty (uniform across the warp)
                 break
-            w = cuda.ffs(cuda.ballot_sync(FULL_MASK, best_s == m)) - 1
-            p = cuda.shfl_sync(FULL_MASK, best_n, w)
+            w = cuda.ffs(cuda.ballot_sync(FULL_MASK, best_key == m)) - 1
+            p = cuda.shfl_sync(FULL_MASK, best_node, w)
 
             # 3. pop candidate (p, r) as node c; every lane computes the same values
+            s_pop = float_of_key(m)                 # exact: the key is a bijection
             r = int32(next_rank[p])
             dp = int32(depth_s[p])
             c = count
-            sib = NEG_INF                            # score of (p, r + 1)
+            sib = uint32(0)                         # key of (p, r + 1)
             if r + 1 < K:
-                sib = score[p] + _log_prob(lp, lp_cache, b, dp, r + 1, R)
-            child = NEG_INF                          # score of (c, 0)
+                sib = _candidate_key(score[p] + _log_prob(lp, lp_cache, b, dp, r + 1, R))
+            child = uint32(0)                       # key of (c, 0)
             if dp + 1 < L:
-                child = m + _log_prob(lp, lp_cache, b, dp + 1, 0, R)
+                child = _candidate_key(s_pop + _log_prob(lp, lp_cache, b, dp + 1, 0, R))
             cuda.syncwarp(FULL_MASK)                # all reads of p's entries done before
             if lane == 0:                           # lane 0 overwrites them
                 cand[p] = sib
                 next_rank[p] = r + 1
                 cand[c] = child
                 next_rank[c] = 0
-                score[c] = m
+                score[c] = s_pop
                 depth_s[c] = dp + 1
                 parent_s[c] = p
                 rank_s[c] = r
@@ -232,22 +247,31 @@ def _select_warp_kernel(lp, budget, parents, depths, log_weights, next_token, ne
                 else:
                     next_sib[last_child[p]] = c
                 last_child[p] = c
-            cuda.syncwarp(FULL_MASK)                # new cand[] visible to the rescanning lane
+            cuda.syncwarp(FULL_MASK)                # new keys visible to every lane
 
-            # 4. refresh the two lane bests that changed
-            if lane == w:                           # p's group lost its best: rescan 33
-                best_s = NEG_INF                    # entries (ascending, strict '>': the
-                best_n = -1                         # smallest node wins ties)
-                base = w * GROUP
-                for q in range(GROUP):
-                    s = cand[base + q]
-                    if s > best_s:
-                        best_s = s
-                        best_n = base + q
+            # 4. refresh the lane bests that changed. Group w lost its best: the warp rescans
+            #    its 33 entries together, lane j taking entries 2j and 2j + 1 (contiguous, so
+            #    the lowest lane holding the max holds the smallest node).
+            base = w * GROUP
+            q0 = base + 2 * lane
+            local_key = uint32(0)
+            local_node = -1
+            if 2 * lane < GROUP:
+                local_key = cand[q0]
+                local_node = q0
+                if 2 * lane + 1 < GROUP and cand[q0 + 1] > local_key:
+                    local_key = cand[q0 + 1]
+                    local_node = q0 + 1
+            group_max = warp_max_u32(local_key)
+            j = cuda.ffs(cuda.ballot_sync(FULL_MASK, local_key == group_max)) - 1
+            group_node = cuda.shfl_sync(FULL_MASK, local_node, j)
+            if lane == w:
+                best_key = group_max
+                best_node = group_node
             elif lane == c // GROUP:                # c is the largest node of its group:
-                if child > best_s:                  # it wins only if strictly better
-                    best_s = child
-                    best_n = c
+                if child > best_key:                # it wins only if strictly better
+                    best_key = child
+                    best_node = c
             count += 1
         if lane == 0:
             count_s[0] = count
@@ -418,15 +442,27 @@ def build_tree(top_log_probs, top_token_ids, root_token_ids, budget, *, prefix_l
     if sz.bs == 0:
         return tree
 
-    stream = launch_stream()
+    launch_select(variant, lp, sz.budget, tree, ranks)
+    launch_finish(ids, roots, prefix, has_prefix, tree, ranks)
+    return tree
+
+
+def launch_select(variant: str, lp, budget: int, tree: DraftTree, ranks) -> None:
+    """Launch the selection kernel alone (validated device inputs; used by the benchmarks)."""
+    bs = lp.shape[0]
     node_table = (tree.parents, tree.depths, tree.log_weights, tree.next_token,
                   tree.next_sibling, ranks, tree.num_nodes)
     if variant == "warp":
-        _select_warp_kernel[sz.bs, SELECT_THREADS, stream](lp, sz.budget, *node_table)
+        _select_warp_kernel[bs, SELECT_THREADS, launch_stream()](lp, budget, *node_table)
     else:
-        _select_scan_kernel[sz.bs, 1, stream](lp, sz.budget, *node_table)
-    grid = (math.ceil(sz.N / FINISH_ROWS), sz.bs)
-    _finish_kernel[grid, FINISH_THREADS, stream](
-        ids, roots, prefix, has_prefix, tree.parents, tree.depths, ranks, tree.num_nodes,
-        tree.token_ids, tree.positions, tree.visibility_bits, tree.visibility)
-    return tree
+        _select_scan_kernel[bs, 1, launch_stream()](lp, budget, *node_table)
+
+
+def launch_finish(top_token_ids, root_token_ids, prefix, has_prefix, tree: DraftTree,
+                  ranks) -> None:
+    """Launch the finish kernel alone (validated device inputs; used by the benchmarks)."""
+    bs, N = tree.parents.shape
+    grid = (math.ceil(N / FINISH_ROWS), bs)
+    _finish_kernel[grid, FINISH_THREADS, launch_stream()](
+        top_token_ids, root_token_ids, prefix, has_prefix, tree.parents, tree.depths, ranks,
+        tree.num_nodes, tree.token_ids, tree.positions, tree.visibility_bits, tree.visibility)

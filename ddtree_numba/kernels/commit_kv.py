@@ -6,7 +6,7 @@ Parallel plan. Requests and row columns are independent; the moves of one reques
 (on the path ``0 -> 2 -> 3`` move 1 reads slot ``P + 2`` that move 2 writes). Since ``a_i >= i``,
 no move reads a slot written by an *earlier* move, so "read all sources, then write all" equals
 the sequential ascending order. One thread per (request, column) does exactly that for its
-column, in chunks of ``CHUNK`` moves held in registers (reads of a chunk, then its writes, in
+column, in chunks of ``CHUNK = 16`` moves held in registers (reads of a chunk, then its writes, in
 ascending order: still the sequential semantics). No two threads touch the same element, so
 no barrier is needed.
 
@@ -22,13 +22,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda
+from numba import cuda, int32
 
 from ..validation import check_commit_kv
 from ._device import SIMULATOR, as_device, device_empty, launch_stream
 
 COMMIT_THREADS = 32 if SIMULATOR else 128
-CHUNK = 8
+CHUNK = 16      # moves per register chunk: k <= L <= 15 in DDTree, so usually one chunk
 
 
 @cuda.jit
@@ -46,23 +46,26 @@ def _commit_kv_kernel(kv_cache, block_table, prefix_lens, accept_nodes, accept_l
     if col >= D:
         return
     vals = cuda.local.array(CHUNK, kv_cache.dtype)  # registers: the loops below unroll
+    dst_page = cuda.local.array(CHUNK, int32)       # destination pages, looked up early
     for i0 in range(1, k + 1, CHUNK):
-        for j in range(CHUNK):                      # 1. read up to CHUNK sources ...
-            i = i0 + j
+        for j in range(CHUNK):                      # 1. read up to CHUNK sources, and look
+            i = i0 + j                              #    up their destinations meanwhile
+            dst_page[j] = -1                        #    (-1: skip this move)
             if i <= k:
-                src = P + accept_nodes[b, i]
-                if accept_nodes[b, i] >= 0 and src < capacity:
+                a = accept_nodes[b, i]
+                src = P + a
+                dst = P + i
+                if a >= 0 and src < capacity and dst < capacity:
                     page = block_table[b, src // page_size]
+                    dst_page[j] = block_table[b, dst // page_size]
                     if page >= 0 and page < num_pages:
                         vals[j] = kv_cache[page, src % page_size, col]
+                    else:
+                        dst_page[j] = -1
         for j in range(CHUNK):                      # 2. ... then write them, ascending i
-            i = i0 + j
-            dst = P + i
-            if i <= k and accept_nodes[b, i] >= 0 and P + accept_nodes[b, i] < capacity \
-                    and dst < capacity:
-                page = block_table[b, dst // page_size]
-                if page >= 0 and page < num_pages:
-                    kv_cache[page, dst % page_size, col] = vals[j]
+            page = dst_page[j]
+            if page >= 0 and page < num_pages:
+                kv_cache[page, (P + i0 + j) % page_size, col] = vals[j]
 
 
 def commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len, *, check=None,

@@ -4,21 +4,21 @@ One block per ``[b, d, :]`` row of ``V`` logits (``rows = bs * L``). The selecti
 the vocabulary: it finds the K-th largest key by **radix select** on the float bits, then sorts
 only the few survivors.
 
-*Orderable keys.* ``key(x)`` maps float32 bits to uint32 so that unsigned order = float order
-(flip all bits of negatives, flip the sign bit of positives; ``-0.0`` is first made ``+0.0``
-because the reference treats them as equal). The rank order is "key descending, id ascending",
-so a candidate is packed as ``(key << 32) | (0xFFFFFFFF - id)`` and one descending uint64 sort
-gives the reference's order.
+*Orderable keys* (``_primitives.orderable_key``) map float32 bits to uint32 so that unsigned
+order = float order, with ``-0.0 == +0.0`` as in the reference. The rank order is "key
+descending, id ascending", so a candidate is packed as ``(key << 32) | (0xFFFFFFFF - id)`` and
+one descending uint64 sort gives the reference's order.
 
 Phases of a block (``T`` threads, ``v`` strided by ``T``: coalesced)::
 
-    1. one pass over the row: online max / sum-exp (for the log-sum-exp) fused with a
-       2048-bin histogram of key bits 31..21 (shared-memory atomics)          V reads
+    1. one pass over the row: the largest key (the max logit m) and a 2048-bin
+       histogram of key bits 31..21 (shared-memory atomics)                   V reads
     2. the bin t holding the K-th largest key: a block suffix scan of the histogram
        if more than CAP keys share bin t: refine on bits 20..10, then 9..0,
        re-reading the row (from L2) and counting only keys in the chosen bin   (rare)
-    3. one more pass: keys above the threshold bin and keys in it become candidates
-       (at most K - 1 + CAP of them), appended with a shared atomic counter     V reads
+    3. one more pass: sum of exp(x - m) for the log-sum-exp, and the candidates: keys
+       above the threshold bin and keys in it (at most K - 1 + CAP), appended with
+       a shared atomic counter                                               V reads
     4. bitonic sort of the candidates in shared memory (descending uint64), write the
        first K: log-prob = x - lse, id                                            K writes
 
@@ -27,11 +27,16 @@ If all 32 key bits are resolved and more than CAP logits are *exactly equal* at 
 the ties in a contiguous chunk of the row, one block scan gives each thread its first rank.
 
 Memory: two reads of the row (the second mostly from L2) plus, rarely, the refinements. The
-floor is one read: ``bs * L * V * itemsize`` bytes over the copy bandwidth.
+floor is one read: ``bs * L * V * itemsize`` bytes over the copy bandwidth. Each thread keeps
+``UNROLL = 8`` loads in flight (all loads of a chunk are issued before any is used): with one
+dependent load per iteration the first version was latency-bound at ~0.7 us per element per
+thread (see ``benchmarks/NOTES.md``). Warp-aggregated histogram atomics (``match_any_sync``)
+were tried and measured 1.5x slower.
 
-Precision: the log-sum-exp is accumulated in float32 in a different order than the float64
-reference. Its error is at most about ``(V / T + 16)`` float32 epsilons, plus one rounding of
-``lse`` and one of ``x - lse``; ``tests/test_draft_topk.py`` checks exactly that bound.
+Precision: the log-sum-exp is accumulated in float32 (``m`` is exact: the max logit) in a
+different order than the float64 reference. Its error is at most about ``(V / T + 16)``
+float32 epsilons, plus one rounding of ``lse`` and one of ``x - lse``;
+``tests/test_draft_topk.py`` checks exactly that bound.
 """
 
 from __future__ import annotations
@@ -43,56 +48,25 @@ from numba import cuda, float32, int32, uint32, uint64
 
 from ..validation import BFLOAT16, check_draft_topk
 from ._device import SIMULATOR, as_device, device_empty, launch_stream
+from ._primitives import bits_of_key, bits_to_float, float_of_key, orderable_key
 
 TOPK_THREADS = 32 if SIMULATOR else 512   # a power of two, at most MAX_THREADS
 MAX_THREADS = 512
 MAX_K = 1024
 BINS = 2048                  # radix digits per level: 11 + 11 + 10 bits
-TIE_CAP = 2048               # candidates taken from the threshold bin without refining
+TIE_CAP = 3072               # candidates taken from the threshold bin without refining
 SORT_CAP = 4096              # >= MAX_K - 1 + TIE_CAP, a power of two
+UNROLL = 8                   # loads in flight per thread in the passes over a row
 NEG_INF = float32(-np.inf)
-SIGN = uint32(0x80000000)
 # (shift, mask) of the three radix levels: bits 31..21, 20..10, 9..0
 LEVEL_SHIFT = (21, 10, 0)
 LEVEL_MASK = (0x7FF, 0x7FF, 0x3FF)
 
 
 # ------------------------------------------------------------------------------------------
-# Bits <-> float <-> orderable key
-# ------------------------------------------------------------------------------------------
-if SIMULATOR:
-
-    def _bits_to_float(bits):
-        return np.array([bits], np.uint32).view(np.float32)[0]
-
-else:
-
-    @cuda.jit(device=True, inline=True)
-    def _bits_to_float(bits):
-        return cuda.libdevice.int_as_float(int32(bits))
-
-
-@cuda.jit(device=True, inline=True)
-def _key_of_bits(bits):
-    """float32 bits -> uint32 key whose unsigned order is the float order (-0.0 == +0.0)."""
-    if bits == SIGN:                        # -0.0 -> +0.0
-        bits = uint32(0)
-    if bits & SIGN:
-        return ~bits & uint32(0xFFFFFFFF)   # negative: flip everything
-    return bits | SIGN                      # positive: flip the sign bit
-
-
-@cuda.jit(device=True, inline=True)
-def _bits_of_key(key):
-    if key & SIGN:
-        return key ^ SIGN
-    return ~key & uint32(0xFFFFFFFF)
-
-
-# ------------------------------------------------------------------------------------------
 # Block-wide helpers (every thread of the block must call them)
 # ------------------------------------------------------------------------------------------
-@cuda.jit(device=True)
+@cuda.jit(device=True, inline=True)
 def _block_inclusive_scan(scratch, value, tid, T):
     """Hillis-Steele inclusive prefix sum of one int32 per thread, in ``scratch[0:T]``."""
     scratch[tid] = value
@@ -107,33 +81,39 @@ def _block_inclusive_scan(scratch, value, tid, T):
     return scratch[tid]
 
 
-@cuda.jit(device=True)
-def _block_log_sum_exp(red_m, red_s, m, s, tid, T):
-    """Merge per-thread online-softmax partials ``(m, s)`` into ``log(sum exp)`` (T = 2^j).
-
-    Tree reduction: ``(m1, s1) + (m2, s2) = (M, s1 exp(m1 - M) + s2 exp(m2 - M))``.
-    """
-    red_m[tid] = m
-    red_s[tid] = s
-    cuda.syncthreads()                      # all partials stored
+@cuda.jit(device=True, inline=True)
+def _block_max_u32(red, value, tid, T):
+    """Max of one uint32 per thread over the block (tree reduction, ``T`` a power of two)."""
+    red[tid] = value
+    cuda.syncthreads()                      # all values stored
     half = T // 2
     while half > 0:
         if tid < half:
-            m1, s1 = red_m[tid], red_s[tid]
-            m2, s2 = red_m[tid + half], red_s[tid + half]
-            M = max(m1, m2)
-            if M > NEG_INF:
-                red_s[tid] = s1 * math.exp(m1 - M) + s2 * math.exp(m2 - M)
-            red_m[tid] = M
-        cuda.syncthreads()                  # this level merged before the next reads it
+            red[tid] = max(red[tid], red[tid + half])
+        cuda.syncthreads()                  # this level done before the next reads it
         half //= 2
-    M = red_m[0]
-    S = red_s[0]
-    cuda.syncthreads()                      # everyone read the total before reuse
-    return M + math.log(S) if M > NEG_INF else NEG_INF
+    total = red[0]
+    cuda.syncthreads()                      # everyone read the result before reuse
+    return total
 
 
-@cuda.jit(device=True)
+@cuda.jit(device=True, inline=True)
+def _block_sum_f32(red, value, tid, T):
+    """Sum of one float32 per thread over the block (tree reduction, ``T`` a power of two)."""
+    red[tid] = value
+    cuda.syncthreads()                      # all values stored
+    half = T // 2
+    while half > 0:
+        if tid < half:
+            red[tid] += red[tid + half]
+        cuda.syncthreads()                  # this level done before the next reads it
+        half //= 2
+    total = red[0]
+    cuda.syncthreads()                      # everyone read the result before reuse
+    return total
+
+
+@cuda.jit(device=True, inline=True)
 def _find_threshold_digit(hist, nbins, need, scratch, result, tid, T):
     """The digit t with ``count(d > t) < need <= count(d >= t)``.
 
@@ -163,7 +143,7 @@ def _find_threshold_digit(hist, nbins, need, scratch, result, tid, T):
     cuda.syncthreads()                      # result visible to all threads
 
 
-@cuda.jit(device=True)
+@cuda.jit(device=True, inline=True)
 def _bitonic_sort_desc(keys, n, tid, T):
     """Sort ``keys[0:n]`` descending in place (``n`` a power of two; shared memory)."""
     size = 2
@@ -213,27 +193,27 @@ def _make_topk_kernel(bf16: bool):
         scratch = cuda.shared.array(MAX_THREADS, int32)
         cand = cuda.shared.array(SORT_CAP, uint64)
         result = cuda.shared.array(3, int32)
-        red_m = cuda.shared.array(MAX_THREADS, float32)
-        red_s = cuda.shared.array(MAX_THREADS, float32)
+        red_u = cuda.shared.array(MAX_THREADS, uint32)
+        red_f = cuda.shared.array(MAX_THREADS, float32)
         n_cand = cuda.shared.array(1, int32)
+        buf = cuda.local.array(UNROLL, uint32)  # UNROLL loads in flight per thread
 
-        # 1. max / sum-exp and the first-level histogram, one pass over the row
+        # 1. pass over the row: largest key (-> the max logit) and the first-level histogram
         for d in range(tid, BINS, T):
             hist[d] = 0
         cuda.syncthreads()                  # histogram cleared before the atomics
-        m = NEG_INF
-        s = float32(0.0)
-        for v in range(tid, V, T):
-            bits = load_bits(row, v)
-            x = _bits_to_float(bits)
-            if x > m:                       # online softmax: rescale the running sum
-                s = s * math.exp(m - x) + float32(1.0) if m > NEG_INF else float32(1.0)
-                m = x
-            elif x > NEG_INF:
-                s += math.exp(x - m)
-            key = _key_of_bits(bits)
-            cuda.atomic.add(hist, int32(key >> uint32(21)), 1)
-        lse = _block_log_sum_exp(red_m, red_s, m, s, tid, T)
+        max_key = uint32(0)
+        for v0 in range(tid, V, UNROLL * T):
+            for u in range(UNROLL):         # issue all loads first (unrolled: registers) ...
+                v = v0 + u * T
+                buf[u] = load_bits(row, v) if v < V else uint32(0)
+            for u in range(UNROLL):         # ... then use them
+                if v0 + u * T < V:
+                    key = orderable_key(buf[u])
+                    max_key = max(max_key, key)
+                    cuda.atomic.add(hist, int32(key >> uint32(21)), 1)
+        m = float_of_key(_block_max_u32(red_u, max_key, tid, T))   # max logit (-inf allowed)
+
         # 2. radix select of the K-th largest key
         need = k
         prefix = uint32(0)                  # key bits fixed so far ...
@@ -246,10 +226,14 @@ def _make_topk_kernel(bf16: bool):
                 for d in range(tid, BINS, T):
                     hist[d] = 0
                 cuda.syncthreads()          # cleared before the atomics
-                for v in range(tid, V, T):
-                    key = _key_of_bits(load_bits(row, v))
-                    if (key & mask) == prefix:
-                        cuda.atomic.add(hist, int32((key >> shift) & digit_mask), 1)
+                for v0 in range(tid, V, UNROLL * T):
+                    for u in range(UNROLL):
+                        v = v0 + u * T
+                        buf[u] = load_bits(row, v) if v < V else uint32(0)
+                    for u in range(UNROLL):
+                        key = orderable_key(buf[u])
+                        if v0 + u * T < V and (key & mask) == prefix:
+                            cuda.atomic.add(hist, int32((key >> shift) & digit_mask), 1)
             cuda.syncthreads()              # histogram complete
             _find_threshold_digit(hist, int32(digit_mask) + 1, need, scratch, result, tid, T)
             need -= result[1]
@@ -260,28 +244,41 @@ def _make_topk_kernel(bf16: bool):
             if ties <= TIE_CAP:
                 break
 
-        # 3. gather the candidates: keys above the threshold bin, and the bin itself
+        # 3. pass over the row: sum of exp(x - max), and the candidates (keys above the
+        #    threshold bin, and the bin itself)
         if tid == 0:
             n_cand[0] = 0
         cuda.syncthreads()                  # counter reset before the atomics
         ordered_ties = ties > TIE_CAP       # only when all 32 bits are resolved
-        for v in range(tid, V, T):
-            key = _key_of_bits(load_bits(row, v))
-            high = key & mask
-            if high > prefix or (high == prefix and not ordered_ties):
-                slot = cuda.atomic.add(n_cand, 0, 1)
-                cand[slot] = (uint64(key) << uint64(32)) | uint64(0xFFFFFFFF - v)
+        s = float32(0.0)
+        for v0 in range(tid, V, UNROLL * T):
+            for u in range(UNROLL):
+                v = v0 + u * T
+                buf[u] = load_bits(row, v) if v < V else uint32(0)
+            for u in range(UNROLL):
+                v = v0 + u * T
+                if v < V:
+                    x = bits_to_float(buf[u])
+                    if x > NEG_INF:
+                        s += math.exp(x - m)
+                    key = orderable_key(buf[u])
+                    high = key & mask
+                    if high > prefix or (high == prefix and not ordered_ties):
+                        slot = cuda.atomic.add(n_cand, 0, 1)
+                        cand[slot] = (uint64(key) << uint64(32)) | uint64(0xFFFFFFFF - v)
+        total = _block_sum_f32(red_f, s, tid, T)
+        lse = m + math.log(total) if m > NEG_INF else NEG_INF
         if ordered_ties:                    # the first `need` equal keys in id order
             chunk = (V + T - 1) // T
             lo = tid * chunk
             mine = 0
             for v in range(lo, min(lo + chunk, V)):
-                if _key_of_bits(load_bits(row, v)) == prefix:
+                if orderable_key(load_bits(row, v)) == prefix:
                     mine += 1
             rank = _block_inclusive_scan(scratch, mine, tid, T) - mine
             base = k - need                 # slots after the keys above the threshold
             for v in range(lo, min(lo + chunk, V)):
-                if rank < need and _key_of_bits(load_bits(row, v)) == prefix:
+                if rank < need and orderable_key(load_bits(row, v)) == prefix:
                     cand[base + rank] = (uint64(prefix) << uint64(32)) | uint64(0xFFFFFFFF - v)
                     rank += 1
             if tid == 0:
@@ -301,7 +298,7 @@ def _make_topk_kernel(bf16: bool):
             packed = cand[r]
             key = uint32(packed >> uint64(32))
             token = int32(0xFFFFFFFF - (packed & uint64(0xFFFFFFFF)))
-            x = _bits_to_float(_bits_of_key(key))
+            x = bits_to_float(bits_of_key(key))
             top_token_ids[row_id, r] = token
             top_log_probs[row_id, r] = x - lse if x > NEG_INF else NEG_INF
 

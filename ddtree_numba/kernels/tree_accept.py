@@ -23,7 +23,9 @@ from ..contracts import AcceptResult
 from ..validation import MAX_NODES, check_tree_accept
 from ._device import SIMULATOR, as_device, device_empty, launch_stream
 
-ACCEPT_THREADS = 32 if SIMULATOR else 128
+# 1024 threads stage N <= 1056 entries in at most two rounds of loads: the staging costs one
+# or two DRAM latencies instead of nine (128 threads measured 11.3 us at bs=64, N=1025)
+ACCEPT_THREADS = 32 if SIMULATOR else 1024
 
 
 @cuda.jit

@@ -1,0 +1,124 @@
+"""Benchmark: kernels.build_tree against the CPU paths published DDTree ports use.
+
+Configurations: bs in {1, 8, 64}, budget in {64, 256, 1024}, L = 15, K = min(budget, 1024).
+Inputs are the top-K of random drafter logits (scaled so the drafter is fairly confident).
+
+* ``gpu_warp``: the kernel (select + finish launches), device time of a graph replay.
+* ``numpy_ref``: reference.build_tree, plus the copies a CPU path needs (top-K device -> host,
+  the tree's arrays host -> device), wall clock.
+* ``python_heap``: a per-request Python heap, the way published DDTree ports build the tree on
+  the CPU (Python floats, heapq, a visibility mask per request), plus the same copies.
+"""
+
+from __future__ import annotations
+
+import heapq
+import importlib
+import sys
+
+import cupy as cp
+import numpy as np
+from harness import Bench, print_table
+
+from ddtree_numba import kernels as K
+from ddtree_numba import reference as ref
+
+kbt = importlib.import_module("ddtree_numba.kernels.build_tree")   # the module, not the function
+
+
+def python_heap_tree(lp: np.ndarray, ids: np.ndarray, roots: np.ndarray, budget: int):
+    """Per-request CPU tree build: parents, tokens, depths and the ancestor mask."""
+    bs, L, Kk = lp.shape
+    N = budget + 1
+    parents = np.full((bs, N), -1, np.int32)
+    tokens = np.full((bs, N), -1, np.int32)
+    depths = np.full((bs, N), -1, np.int32)
+    mask = np.zeros((bs, N, N), np.bool_)
+    for b in range(bs):
+        rows = lp[b].tolist()
+        heap = [(-rows[0][0], 0, 0, 0)]                   # (-score, parent, depth, rank)
+        scores, par, dep, tok = [0.0], [-1], [0], [int(roots[b])]
+        while heap and len(par) <= budget:
+            neg, p, d, r = heapq.heappop(heap)
+            c = len(par)
+            par.append(p)
+            dep.append(d + 1)
+            tok.append(int(ids[b, d, r]))
+            scores.append(-neg)
+            if r + 1 < Kk:
+                heapq.heappush(heap, (-(scores[p] + rows[d][r + 1]), p, d, r + 1))
+            if d + 1 < L:
+                heapq.heappush(heap, (-(scores[c] + rows[d + 1][0]), c, d + 1, 0))
+        n = len(par)
+        parents[b, :n], tokens[b, :n], depths[b, :n] = par, tok, dep
+        mask[b, 0, 0] = True
+        for i in range(1, n):
+            mask[b, i] = mask[b, par[i]]
+            mask[b, i, i] = True
+    return parents, tokens, depths, mask
+
+
+def main(quick: bool = False):
+    bench = Bench("build_tree")
+    rng = np.random.default_rng(0)
+    L = 15
+    for budget in (64, 256, 1024):
+        Kk = min(budget, 1024)
+        for bs in (1, 8, 64):
+            x = (rng.standard_normal((bs, L, Kk + 16)) * 3).astype(np.float32)
+            lp, ids = ref.draft_topk(x, Kk)
+            roots = rng.integers(0, 1000, bs).astype(np.int32)
+            prefix = rng.integers(0, 4096, bs).astype(np.int32)
+            # numba views of CuPy arrays, made before capture (a CuPy array passed to a
+            # numba launch is synchronised on its stream, which a capture forbids)
+            d_lp, d_ids = K.as_device(cp.asarray(lp)), K.as_device(cp.asarray(ids))
+            d_roots, d_prefix = K.as_device(cp.asarray(roots)), K.as_device(cp.asarray(prefix))
+            out = K.allocate_tree(bs, budget + 1)
+            scratch = K.as_device(cp.empty((bs, budget + 1), cp.int32))
+
+            def launch():
+                K.build_tree(d_lp, d_ids, d_roots, budget, prefix_lens=d_prefix, out=out,
+                             scratch=scratch)
+
+            gpu = bench.time_device(launch, reps=30)
+            select = bench.time_device(
+                lambda: kbt.launch_select("warp", d_lp, budget, out, scratch), reps=30)
+            host = bench.time_host(launch, reps=10, sync=False)
+            cp.cuda.Device().synchronize()
+            want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
+            exact = bool((out.parents.copy_to_host() == want.parents).all())
+
+            def numpy_path():
+                t = ref.build_tree(d_lp.copy_to_host(), d_ids.copy_to_host(),
+                                   d_roots.copy_to_host(), budget,
+                                   prefix_lens=d_prefix.copy_to_host())
+                for a in (t.token_ids, t.parents, t.visibility, t.visibility_bits, t.positions):
+                    cp.asarray(a)
+
+            def heap_path():
+                res = python_heap_tree(d_lp.copy_to_host(), d_ids.copy_to_host(),
+                                       d_roots.copy_to_host(), budget)
+                for a in res:
+                    cp.asarray(a)
+
+            reps = 1 if (quick or bs * budget >= 64 * 256) else 3
+            np_t = bench.time_host(numpy_path, reps=reps)
+            heap_t = bench.time_host(heap_path, reps=reps)
+            pops = float(want.num_nodes.max() - 1)
+            bench.add(bs=bs, budget=budget, L=L, K=Kk, gpu_us=gpu["ms"] * 1e3,
+                      select_us=select["ms"] * 1e3, finish_us=(gpu["ms"] - select["ms"]) * 1e3,
+                      ns_per_pop=select["ms"] * 1e6 / max(pops, 1),
+                      gpu_us_min=gpu["ms_min"] * 1e3, host_launch_us=host["ms"] * 1e3,
+                      numpy_ref_us=np_t["ms"] * 1e3, python_heap_us=heap_t["ms"] * 1e3,
+                      speedup_vs_heap=heap_t["ms"] / gpu["ms"], bit_exact=exact,
+                      mean_nodes=float(want.num_nodes.mean()))
+    path = bench.write_csv()
+    print_table(bench.rows, ["bs", "budget", "K", "gpu_us", "select_us", "finish_us",
+                             "ns_per_pop", "host_launch_us", "numpy_ref_us",
+                             "python_heap_us", "speedup_vs_heap", "bit_exact"],
+                f"build_tree on {bench.gpu}, {bench.date} (device time: graph replay median)")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main(quick="--quick" in sys.argv)

@@ -1,0 +1,143 @@
+"""Benchmark: draft_topk against torch and CuPy; tree_accept and commit_kv device time.
+
+draft_topk: bs in {1, 8, 64}, L = 15, V in {32000, 163840}, K in {16, 256, 1024}, float32
+logits (and bfloat16 at the largest size). GB/s counts one read of the logits (the floor),
+against the device-to-device copy bandwidth measured in the same run. Baselines:
+``torch.topk`` + ``torch.logsumexp`` (eager, events) and CuPy written the obvious way
+(log-softmax, then a full ``argsort``).
+
+tree_accept / commit_kv: bs in {1, 64}, N in {64, 1025}, on trees from the reference builder
+and accepted paths of depth up to L = 15 (FlashMLA-style cache: 576-wide rows, 64-row pages).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import cupy as cp
+import numpy as np
+import torch
+from harness import Bench, copy_bandwidth_gbs, print_table
+
+from ddtree_numba import kernels as K
+from ddtree_numba import reference as ref
+
+
+def bench_draft_topk(quick: bool):
+    bench = Bench("draft_topk")
+    copy_gbs = copy_bandwidth_gbs(bench)
+    L = 15
+    configs = [(bs, V, k, "float32") for V in (32000, 163840) for k in (16, 256, 1024)
+               for bs in (1, 8, 64)]
+    configs += [(64, 163840, 256, "bfloat16"), (8, 163840, 256, "bfloat16")]
+    if quick:
+        configs = [c for c in configs if c[0] != 8][:6]
+    for bs, V, k, dtype in configs:
+        tdtype = torch.float32 if dtype == "float32" else torch.bfloat16
+        x_t = (torch.randn((bs, L, V), device="cuda") * 3).to(tdtype)
+        x = K.as_device(x_t)
+        out = (K.as_device(cp.empty((bs, L, k), cp.float32)),
+               K.as_device(cp.empty((bs, L, k), cp.int32)))
+
+        def launch():
+            K.draft_topk(x_t if dtype == "bfloat16" else x, k, out=out)
+
+        gpu = bench.time_device(launch, reps=20)
+
+        def torch_way():
+            lse = torch.logsumexp(x_t.float(), dim=-1, keepdim=True)
+            values, ids = torch.topk(x_t, k, dim=-1)
+            return values.float() - lse, ids
+
+        with torch.cuda.stream(torch.cuda.ExternalStream(bench.stream.ptr)):
+            torch_t = bench.time_eager_events(torch_way, reps=10)
+        x_c = cp.asarray(x_t.float()) if dtype == "bfloat16" else cp.asarray(x_t)
+
+        def cupy_way():
+            m = x_c.max(axis=-1, keepdims=True)
+            lse = m + cp.log(cp.exp(x_c - m).sum(axis=-1, keepdims=True))
+            ids = cp.argsort(-x_c, axis=-1)[..., :k]
+            return cp.take_along_axis(x_c, ids, axis=-1) - lse, ids
+
+        cupy_t = bench.time_eager_events(cupy_way, reps=3) if V * bs <= 8 * 163840 else None
+        # exactness on this input: ids equal to the reference's
+        host = x_t.float().cpu().numpy() if dtype == "bfloat16" else x_t.cpu().numpy()
+        want_ids = ref.draft_topk(host[: min(bs, 2)], k)[1]
+        exact = bool((out[1].copy_to_host()[: min(bs, 2)] == want_ids).all())
+        nbytes = bs * L * V * x_t.element_size()
+        gbs = nbytes / (gpu["ms"] * 1e-3) / 1e9
+        bench.add(bs=bs, L=L, V=V, k=k, dtype=dtype, gpu_us=gpu["ms"] * 1e3,
+                  read_gbs=gbs, pct_of_copy_bw=100 * gbs / copy_gbs, copy_gbs=copy_gbs,
+                  torch_us=torch_t["ms"] * 1e3, speedup_vs_torch=torch_t["ms"] / gpu["ms"],
+                  cupy_us=None if cupy_t is None else cupy_t["ms"] * 1e3, ids_exact=exact)
+        torch.cuda.empty_cache()
+    bench.write_csv()
+    print_table(bench.rows, ["bs", "V", "k", "dtype", "gpu_us", "read_gbs", "pct_of_copy_bw",
+                             "torch_us", "speedup_vs_torch", "cupy_us", "ids_exact"],
+                f"draft_topk on {bench.gpu}, {bench.date}; copy bandwidth "
+                f"{bench.rows[0]['copy_gbs']:.0f} GB/s (read + write)")
+
+
+def accepted_paths(tree, depth_limit, rng):
+    """Predictions that follow the first child to depth_limit (a long accepted path)."""
+    bs, N = tree.parents.shape
+    predict = np.full((bs, N), 10**6, np.int32)
+    for b in range(bs):
+        cur = 0
+        for _ in range(depth_limit):
+            kids = np.flatnonzero(tree.parents[b] == cur)
+            if not kids.size:
+                break
+            child = int(kids[rng.integers(0, min(3, kids.size))])
+            predict[b, cur] = tree.token_ids[b, child]
+            cur = child
+    return predict
+
+
+def bench_accept_commit(quick: bool):
+    bench = Bench("accept_commit")
+    rng = np.random.default_rng(1)
+    L, page_size, D = 15, 64, 576
+    for N in (64, 1025):
+        for bs in (1, 64):
+            Kk = min(N - 1, 64)
+            x = (rng.standard_normal((bs, L, Kk + 8)) * 3).astype(np.float32)
+            lp, ids = ref.draft_topk(x, Kk)
+            tree = ref.build_tree(lp, ids, np.zeros(bs, np.int32), N - 1)
+            predict = accepted_paths(tree, L, rng)
+            args = [K.as_device(a) for a in (tree.token_ids, tree.next_token, tree.next_sibling,
+                                             predict)]
+            res = K.allocate_accept(bs, N)
+
+            def accept():
+                K.tree_accept(*args, out=res)
+
+            t_acc = bench.time_device(accept, reps=50)
+            want = ref.tree_accept(tree.token_ids, tree.next_token, tree.next_sibling, predict)
+            exact = bool((res.accept_nodes.copy_to_host() == want.accept_nodes).all())
+            prefix = rng.integers(0, 8192, bs).astype(np.int32)
+            pages_per = (int(prefix.max()) + N + page_size - 1) // page_size
+            table = rng.permutation(bs * pages_per).astype(np.int32).reshape(bs, pages_per)
+            cache = K.as_device(cp.asarray(rng.standard_normal(
+                (bs * pages_per, page_size, D)).astype(np.float32)))
+            c_args = [K.as_device(a) for a in (table, prefix, want.accept_nodes,
+                                               want.accept_len)]
+            new_prefix = K.as_device(cp.empty(bs, cp.int32))
+
+            def commit():
+                K.commit_kv(cache, *c_args, out=new_prefix)
+
+            t_com = bench.time_device(commit, reps=50)
+            bench.add(bs=bs, N=N, mean_accept_len=float(want.accept_len.mean()),
+                      tree_accept_us=t_acc["ms"] * 1e3, commit_kv_us=t_com["ms"] * 1e3,
+                      accept_exact=exact)
+    bench.write_csv()
+    print_table(bench.rows, ["bs", "N", "mean_accept_len", "tree_accept_us", "commit_kv_us",
+                             "accept_exact"], f"tree_accept / commit_kv on {bench.gpu}")
+
+
+if __name__ == "__main__":
+    quick = "--quick" in sys.argv
+    bench_accept_commit(quick)
+    if "--accept-commit-only" not in sys.argv:
+        bench_draft_topk(quick)

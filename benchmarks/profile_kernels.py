@@ -1,0 +1,33 @@
+"""Run each fast kernel once at a representative size, for Nsight Compute (ncu) to profile.
+
+    ncu --clock-control none --kernel-name regex:select_warp --launch-count 1 \\
+        --section WarpStateStats --section SourceCounters python3 profile_kernels.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from ddtree_numba import kernels as K
+from ddtree_numba import reference as ref
+
+
+def main():
+    rng = np.random.default_rng(0)
+    bs, L, Kk, budget = 1, 15, 256, 256
+    x = (rng.standard_normal((bs, L, Kk + 16)) * 3).astype(np.float32)
+    lp, ids = ref.draft_topk(x, Kk)
+    roots = np.zeros(bs, np.int32)
+    for _ in range(2):                      # the first call compiles
+        tree = K.build_tree(K.as_device(lp), K.as_device(ids), K.as_device(roots), budget)
+    cuda.synchronize()
+    assert (tree.parents.copy_to_host() == ref.build_tree(lp, ids, roots, budget).parents).all()
+    logits = K.as_device((rng.standard_normal((1, 15, 163840)) * 3).astype(np.float32))
+    for _ in range(2):
+        K.draft_topk(logits, 256)
+    cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One batched GPU session: the test suite on the device, then every benchmark.
+# Logs and CSVs go to $OUT (the device tool brings them back). Usage, from the repo root:
+#   bash benchmarks/run_gpu.sh [tests|bench|all]
+set -uo pipefail
+what=${1:-all}
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then   # numpy < 2.5 for numba-cuda 0.30 (see README)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu \
+    --format=csv | tee "$OUT/gpu.txt"
+python3 -m ddtree_numba info | tee -a "$OUT/gpu.txt"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+    DDTREE_GPU=1 timeout 300 python3 -m pytest -q -x -p no:cacheprovider 2>&1 \
+        | tee "$OUT/gpu_tests.log" | tail -15
+fi
+if [ "$what" = profile ] || [ "$what" = all ]; then
+    for kernel in select_warp topk_kernel; do
+        (cd benchmarks && timeout 120 ncu --clock-control none --kernel-name "regex:$kernel" \
+            --launch-skip 1 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
+            --section SourceCounters --metrics gpc__cycles_elapsed.avg.per_second \
+            python3 profile_kernels.py) > "$OUT/ncu_$kernel.txt" 2>&1
+        grep -E "Duration|cycles_elapsed|Stall|stall|Warp Cycles|Elapsed Cycles" \
+            "$OUT/ncu_$kernel.txt" | head -30
+    done
+fi
+if [ "$what" = small ]; then
+    (cd benchmarks && OUT="$OUT" timeout 240 python3 bench_small_kernels.py) 2>&1 \
+        | tee "$OUT/bench_small_kernels.log" | tail -40
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+    (cd benchmarks && OUT="$OUT" timeout 240 python3 bench_build_tree.py) 2>&1 \
+        | tee "$OUT/bench_build_tree.log" | tail -14
+    (cd benchmarks && OUT="$OUT" timeout 240 python3 bench_small_kernels.py) 2>&1 \
+        | tee "$OUT/bench_small_kernels.log" | tail -40
+fi
