@@ -27,6 +27,23 @@ def _info() -> int:
     return 0
 
 
+def _build_report(args) -> int:
+    import json
+    import os
+
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "0"      # compile for real; no GPU is needed for it
+    from .build_report import build_report, format_table, parse_cc
+
+    try:
+        ccs = [parse_cc(text) for text in (args.cc or ["12.0"])]
+    except ValueError as error:
+        print(error, file=sys.stderr)
+        return 2
+    rows = build_report(ccs)
+    print(json.dumps(rows, indent=1) if args.json else format_table(rows))
+    return 1 if args.strict and any(row["problems"] for row in rows) else 0
+
+
 def _dist_version(name: str) -> str:
     from importlib.metadata import version
 
@@ -45,9 +62,17 @@ def main(argv=None) -> int:
     demo.add_argument("--confidence", type=float, default=3.0, help="drafter agreement knob")
     demo.add_argument("--seed", type=int, default=0)
     sub.add_parser("info", help="numba-cuda version, GPU or simulator")
+    report = sub.add_parser("build-report", help="compile every kernel for a target GPU (no "
+                            "GPU needed) and report registers, spills, shared memory, occupancy")
+    report.add_argument("--cc", action="append", help="compute capability, e.g. 12.0 (default), "
+                        "9.0, 8.9, 8.0; repeat for several")
+    report.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    report.add_argument("--strict", action="store_true", help="exit 1 if a kernel does not fit")
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info()
+    if args.command == "build-report":
+        return _build_report(args)
     backend = choose_backend()
     from .demo import run_demo
 

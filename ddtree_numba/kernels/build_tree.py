@@ -466,3 +466,21 @@ def launch_finish(top_token_ids, root_token_ids, prefix, has_prefix, tree: Draft
     _finish_kernel[grid, FINISH_THREADS, launch_stream()](
         top_token_ids, root_token_ids, prefix, has_prefix, tree.parents, tree.depths, ranks,
         tree.num_nodes, tree.token_ids, tree.positions, tree.visibility_bits, tree.visibility)
+
+
+def build_specs():
+    """Specialisations launched by :func:`build_tree` (for the build report)."""
+    from numba import types
+
+    from ._specs import KernelSpec
+
+    i1, i2, i3 = types.int32[::1], types.int32[:, ::1], types.int32[:, :, ::1]
+    select = (types.float32[:, :, ::1], types.int64, i2, i2, types.float32[:, ::1], i2, i2, i2,
+              i1)
+    finish = (i3, i1, i1, types.boolean, i2, i2, i2, i1, i2, i2, types.uint32[:, :, ::1],
+              types.boolean[:, :, ::1])
+    return [
+        KernelSpec("build_tree", "select scan", _select_scan_kernel, select, 1, False),
+        KernelSpec("build_tree", "select warp", _select_warp_kernel, select, SELECT_THREADS, True),
+        KernelSpec("build_tree", "finish", _finish_kernel, finish, FINISH_THREADS, True),
+    ]

@@ -105,3 +105,17 @@ def commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len, *, c
         host_cache.view(np.uint16 if host_cache.dtype.itemsize == 2 else host_cache.dtype)[
             ...] = cache.copy_to_host(stream=stream)
     return new_prefix
+
+
+def build_specs():
+    """Specialisations launched by :func:`commit_kv` (for the build report)."""
+    from numba import types
+
+    from ._specs import KernelSpec
+
+    i1, i2 = types.int32[::1], types.int32[:, ::1]
+    return [
+        KernelSpec("commit_kv", f"{name} cache", _commit_kv_kernel,
+                   (dtype[:, :, ::1], i2, i1, i2, i1, i1), COMMIT_THREADS, True)
+        for name, dtype in (("float32", types.float32), ("16-bit", types.uint16))
+    ]

@@ -355,3 +355,18 @@ def draft_topk(logits, k, *, check=None, out=None):
         _kernel(is_bf16)[rows, TOPK_THREADS, launch_stream()](
             bits, sz.k, top_lp.reshape(rows, sz.k), top_ids.reshape(rows, sz.k))
     return top_lp, top_ids
+
+
+def build_specs():
+    """Specialisations launched by :func:`draft_topk` (for the build report)."""
+    from numba import types
+
+    from ._specs import KernelSpec
+
+    out = (types.int64, types.float32[:, ::1], types.int32[:, ::1])
+    return [
+        KernelSpec("draft_topk", "float32 logits", _kernel(False), (types.uint32[:, ::1], *out),
+                   TOPK_THREADS, True),
+        KernelSpec("draft_topk", "bfloat16 logits", _kernel(True), (types.uint16[:, ::1], *out),
+                   TOPK_THREADS, True),
+    ]

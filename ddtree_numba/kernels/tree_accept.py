@@ -122,3 +122,14 @@ def tree_accept(token_ids, next_token, next_sibling, target_predict, *, check=No
         _tree_accept_kernel[sz.bs, ACCEPT_THREADS, launch_stream()](
             *args, res.accept_nodes, res.accept_len, res.accept_tokens, res.bonus_token)
     return res
+
+
+def build_specs():
+    """Specialisations launched by :func:`tree_accept` (for the build report)."""
+    from numba import types
+
+    from ._specs import KernelSpec
+
+    i1, i2 = types.int32[::1], types.int32[:, ::1]
+    sig = (i2, i2, i2, i2, i2, i1, i2, i1)
+    return [KernelSpec("tree_accept", "walk", _tree_accept_kernel, sig, ACCEPT_THREADS, True)]

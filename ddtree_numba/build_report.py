@@ -1,0 +1,215 @@
+"""sm_120 readiness: compile every kernel for a target GPU on a CPU-only machine and report.
+
+For each kernel specialisation the library launches (``kernels/*.build_specs()``) and each
+compute capability asked for, the kernel is compiled to PTX by numba-cuda
+(``cuda.compile_ptx(..., cc=...)``, no GPU needed) and linked by nvJitLink for ``-arch=sm_XY``
+with ``-verbose``, which returns ptxas' resource report. From registers, shared memory and
+threads per block, the occupancy limit follows from the target's per-SM limits below.
+
+ptxas on sm_90 counts 1 KiB more shared memory than on the other targets for a kernel that uses
+any; the report keeps its figure and still adds the per-block reserve, which errs on the safe
+side by 1 KiB.
+
+Per-SM limits: the CUDA C++ Programming Guide, "Technical Specifications per Compute
+Capability", as encoded in NVIDIA CCCL's ``cuda/__device/arch_traits.h``. All four targets have
+64 K 32-bit registers per SM, at most 255 per thread, allocated per warp in units of 256, and a
+48 KiB limit on static shared memory per block (numba has no opt-in for more).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import re
+from dataclasses import asdict, dataclass
+
+STATIC_SMEM_PER_BLOCK = 48 * 1024
+REGISTERS_PER_SM = 64 * 1024
+REGISTER_UNIT = 256           # registers are allocated per warp in multiples of this
+
+
+@dataclass(frozen=True)
+class ArchLimits:
+    cc: tuple
+    example: str
+    max_threads_per_sm: int
+    max_blocks_per_sm: int
+    smem_per_sm: int
+    reserved_smem_per_block: int
+
+
+ARCH_LIMITS = {
+    (12, 0): ArchLimits((12, 0), "RTX PRO 6000 Blackwell", 1536, 32, 100 * 1024, 1024),
+    (9, 0): ArchLimits((9, 0), "H100 / H200", 2048, 32, 228 * 1024, 1024),
+    (8, 9): ArchLimits((8, 9), "L40S / RTX 4090", 1536, 24, 100 * 1024, 1024),
+    (8, 0): ArchLimits((8, 0), "A100", 2048, 32, 164 * 1024, 1024),
+}
+
+
+@dataclass
+class Resources:
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack: int
+    shared: int
+    cubin_bytes: int
+
+
+def parse_cc(text: str) -> tuple:
+    """``"12.0"`` -> ``(12, 0)``; a ValueError names the known targets otherwise."""
+    try:
+        major, minor = (int(part) for part in text.split("."))
+    except ValueError:
+        raise ValueError(f"--cc: expected MAJOR.MINOR such as 12.0, got {text!r}") from None
+    if (major, minor) not in ARCH_LIMITS:
+        known = ", ".join(f"{a}.{b}" for a, b in ARCH_LIMITS)
+        raise ValueError(f"--cc: expected one of {known}, got {text}")
+    return major, minor
+
+
+def kernel_specs() -> list:
+    """Every specialisation listed by a kernel module's ``build_specs()``."""
+    from . import kernels
+
+    specs = []
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"{kernels.__name__}.{info.name}")
+        if hasattr(module, "build_specs"):
+            specs += module.build_specs()
+    return specs
+
+
+def unlisted_kernels(specs) -> list:
+    """Module-level ``@cuda.jit`` kernels that no spec lists (they would escape the report)."""
+    from numba.cuda.dispatcher import CUDADispatcher
+
+    from . import kernels
+
+    listed = {id(s.kernel) for s in specs}
+    missing = []
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"{kernels.__name__}.{info.name}")
+        for name, value in vars(module).items():
+            is_kernel = isinstance(value, CUDADispatcher) and not value.targetoptions.get("device")
+            if is_kernel and id(value) not in listed:
+                missing.append(f"{module.__name__}.{name}")
+    return missing
+
+
+def compile_resources(kernel, signature, cc) -> Resources:
+    """PTX by numba-cuda, cubin and ptxas' report by nvJitLink (no GPU needed)."""
+    from cuda.bindings import nvjitlink
+    from numba import cuda
+
+    ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=cc)
+    options = [f"-arch=sm_{cc[0]}{cc[1]}", "-verbose"]
+    handle = nvjitlink.create(len(options), options)
+    try:
+        data = ptx.encode()
+        nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel")
+        try:
+            nvjitlink.complete(handle)
+        except nvjitlink.nvJitLinkError as error:    # ptxas' own words are in the error log
+            message = bytearray(nvjitlink.get_error_log_size(handle))
+            nvjitlink.get_error_log(handle, message)
+            raise RuntimeError(message.decode(errors="replace").strip() or str(error)) from None
+        log = bytearray(nvjitlink.get_info_log_size(handle))
+        nvjitlink.get_info_log(handle, log)
+        cubin_bytes = nvjitlink.get_linked_cubin_size(handle)
+    finally:
+        nvjitlink.destroy(handle)
+    return parse_ptxas_log(log.decode(errors="replace"), cubin_bytes)
+
+
+def parse_ptxas_log(log: str, cubin_bytes: int = 0) -> Resources:
+    """Read registers, spills, stack and shared memory from ptxas' ``-verbose`` output."""
+    def number(pattern):
+        found = re.findall(pattern, log)
+        if not found:
+            raise ValueError(f"ptxas report without {pattern!r}:\n{log}")
+        return int(found[-1])
+
+    return Resources(
+        registers=number(r"[Uu]sed (\d+) registers"),
+        spill_stores=number(r"(\d+) bytes spill stores"),
+        spill_loads=number(r"(\d+) bytes spill loads"),
+        stack=number(r"(\d+) bytes stack frame"),
+        shared=int(re.findall(r"(\d+) bytes smem", log)[-1]) if "bytes smem" in log else 0,
+        cubin_bytes=cubin_bytes,
+    )
+
+
+def occupancy(res: Resources, threads: int, limits: ArchLimits) -> dict:
+    """Resident blocks per SM and the resource that limits them."""
+    warps = -(-threads // 32)
+    regs_per_warp = -(-res.registers * 32 // REGISTER_UNIT) * REGISTER_UNIT
+    by = {
+        "threads": limits.max_threads_per_sm // (warps * 32),
+        "blocks": limits.max_blocks_per_sm,
+        "registers": REGISTERS_PER_SM // max(regs_per_warp * warps, 1),
+        "shared": limits.smem_per_sm // (res.shared + limits.reserved_smem_per_block),
+    }
+    limiter = min(by, key=by.get)
+    blocks = by[limiter]
+    return {"blocks_per_sm": blocks, "limiter": limiter,
+            "occupancy": blocks * warps / (limits.max_threads_per_sm // 32)}
+
+
+def check_resources(spec, res: Resources, limits: ArchLimits) -> list:
+    """What keeps a specialisation from fitting the target (empty list: it fits)."""
+    problems = []
+    if spec.fast and (res.spill_stores or res.spill_loads):
+        problems.append(f"spills {res.spill_stores} B stores / {res.spill_loads} B loads")
+    if spec.fast and res.stack:
+        problems.append(f"uses a {res.stack} B stack frame (local memory)")
+    if res.shared > STATIC_SMEM_PER_BLOCK:
+        problems.append(f"static shared memory {res.shared} B > {STATIC_SMEM_PER_BLOCK} B")
+    if res.shared + limits.reserved_smem_per_block > limits.smem_per_sm:
+        problems.append(f"shared memory {res.shared} B does not fit one SM")
+    if spec.threads > 1024 or occupancy(res, spec.threads, limits)["blocks_per_sm"] < 1:
+        problems.append(f"{spec.threads} threads x {res.registers} registers cannot launch")
+    return problems
+
+
+def report_row(spec, cc) -> dict:
+    """Compile one specialisation for one target; a failure to compile or link is a problem."""
+    row = {"cc": f"{cc[0]}.{cc[1]}", "stage": spec.stage, "variant": spec.variant,
+           "fast": spec.fast, "threads": spec.threads}
+    limits = ARCH_LIMITS[cc]
+    try:
+        res = compile_resources(spec.kernel, spec.signature, cc)
+    except Exception as error:  # ptxas refuses e.g. more than 48 KiB of static shared memory
+        message = " ".join(str(error).split())[:300]
+        return {**row, "problems": [f"does not build for sm_{cc[0]}{cc[1]}: {message}"]}
+    return {**row, **asdict(res), **occupancy(res, spec.threads, limits),
+            "problems": check_resources(spec, res, limits)}
+
+
+def build_report(ccs=((12, 0),)) -> list:
+    """One row per (specialisation, target): resources, occupancy and problems."""
+    specs = kernel_specs()
+    rows = [report_row(spec, cc) for cc in ccs for spec in specs]
+    for name in unlisted_kernels(specs):
+        rows.append({"cc": "-", "stage": name, "variant": "-",
+                     "problems": ["kernel has no build spec"]})
+    return rows
+
+
+def format_table(rows) -> str:
+    columns = ["cc", "stage", "variant", "registers", "spill_stores", "spill_loads", "stack",
+               "shared", "threads", "blocks_per_sm", "occupancy", "limiter"]
+    heads = ["cc", "kernel", "variant", "regs", "spill st", "spill ld", "stack", "smem B",
+             "threads", "blocks/SM", "occupancy", "limited by"]
+
+    def cell(row, c):
+        v = row.get(c, "")
+        return f"{v:.0%}" if c == "occupancy" and v != "" else str(v)
+
+    table = [heads] + [[cell(r, c) for c in columns] for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)) for line in table]
+    problems = [f"{r['cc']} {r['stage']} {r['variant']}: {p}" for r in rows
+                for p in r["problems"]]
+    lines.append("problems: " + ("; ".join(problems) if problems else "none"))
+    return "\n".join(lines)
