@@ -29,5 +29,29 @@ def main():
     cuda.synchronize()
 
 
+
+
+def attention():
+    """One tiled verify_attn launch at bs=1, N=16, prefix 1024, H=128 (ncu: regex:tiled)."""
+    rng = np.random.default_rng(1)
+    bs, N, P, H = 1, 16, 1024, 128
+    x = rng.standard_normal((bs, 15, 64)).astype(np.float32) * 3
+    lp, ids = ref.draft_topk(x, 8)
+    prefix = np.full(bs, P, np.int32)
+    tree = ref.build_tree(lp, ids, np.zeros(bs, np.int32), N - 1, prefix_lens=prefix)
+    pages = (P + N + 63) // 64
+    table = rng.permutation(pages).astype(np.int32).reshape(bs, pages)
+    cache = rng.standard_normal((pages, 64, 576)).astype(np.float32)
+    ql = rng.standard_normal((bs, N, H, 512)).astype(np.float32)
+    qr = rng.standard_normal((bs, N, H, 64)).astype(np.float32)
+    args = [K.as_device(a) for a in (ql, qr, cache, table, prefix, tree.visibility_bits,
+                                     tree.num_nodes)]
+    for _ in range(2):
+        K.verify_attn(*args, sm_scale=ref.deepseek_sm_scale())
+    cuda.synchronize()
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    attention() if "--attention" in sys.argv else main()

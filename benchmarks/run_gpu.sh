@@ -31,6 +31,10 @@ if [ "$what" = profile ] || [ "$what" = all ]; then
             "$OUT/ncu_$kernel.txt" | head -30
     done
 fi
+if [ "$what" = attn ] || [ "$what" = all ]; then
+    (cd benchmarks && OUT="$OUT" timeout 400 python3 bench_verify_attn.py) 2>&1 \
+        | tee "$OUT/bench_verify_attn.log" | tail -80
+fi
 if [ "$what" = small ]; then
     (cd benchmarks && OUT="$OUT" timeout 240 python3 bench_small_kernels.py) 2>&1 \
         | tee "$OUT/bench_small_kernels.log" | tail -40

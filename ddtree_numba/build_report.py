@@ -104,6 +104,9 @@ def compile_resources(kernel, signature, cc) -> Resources:
 
     ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=cc)
     options = [f"-arch=sm_{cc[0]}{cc[1]}", "-verbose"]
+    max_registers = getattr(kernel, "targetoptions", {}).get("max_registers")
+    if max_registers:                       # what numba passes to the linker at launch
+        options.append(f"-maxrregcount={max_registers}")
     handle = nvjitlink.create(len(options), options)
     try:
         data = ptx.encode()

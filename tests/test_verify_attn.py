@@ -95,3 +95,134 @@ def test_empty_prefix_and_one_page():
 def test_deepseek_sm_scale():
     assert ref.deepseek_sm_scale() == pytest.approx(192 ** -0.5 * (0.1 * np.log(40) + 1) ** 2)
     assert ref.deepseek_sm_scale() != pytest.approx(576 ** -0.5)
+
+
+# ------------------------------------------------------------------------------------------
+# Kernels against the float64 reference
+# ------------------------------------------------------------------------------------------
+from ml_dtypes import bfloat16  # noqa: E402
+
+from ddtree_numba import kernels as K  # noqa: E402
+
+#: Relative error bound, ||out - ref||_F / ||ref||_F per request, and for lse
+#: max |lse - ref| / (1 + |ref|). The kernels read the same stored values as the reference
+#: (bf16 widened exactly) and accumulate in float32: dot products of length <= 576 and sums of
+#: <= P + N terms in float32 land near 1e-6; 2e-5 leaves a 10x margin.
+REL_BOUND = 2e-5
+
+
+def kernel_variants():
+    return ["readable"] if K.SIMULATOR else ["readable", "tiled"]
+
+
+def attn_problem(rng, *, bs, budget, H, Dc, Dr, page_size, max_prefix, dtype=np.float32, L=4,
+                 Kk=3):
+    lp, ids = random_topk(rng, bs, L, Kk)
+    prefix = rng.integers(0, max_prefix + 1, bs).astype(np.int32)
+    tree = ref.build_tree(lp, ids, np.zeros(bs, np.int32), budget, prefix_lens=prefix)
+    N = budget + 1
+    cache, table = paged_cache(rng, bs, prefix, N, page_size=page_size, D=Dc + Dr, dtype=dtype)
+    ql = rng.standard_normal((bs, N, H, Dc)).astype(np.float32)
+    qr = rng.standard_normal((bs, N, H, Dr)).astype(np.float32)
+    return ql, qr, cache, table, prefix, tree.visibility_bits, tree.num_nodes
+
+
+def check_against_reference(args, sm_scale, variant, **kw):
+    from numba import cuda
+
+    ql = args[0]
+    bs, N, H, Dc = ql.shape
+    poison = (cuda.to_device(np.full((bs, N, H, Dc), np.nan, np.float32)),
+              cuda.to_device(np.full((bs, N, H), np.nan, np.float32)))
+    out, lse = K.verify_attn(*args, sm_scale=sm_scale, variant=variant, out=poison, **kw)
+    out, lse = out.copy_to_host(), lse.copy_to_host()
+    want_out, want_lse = ref.verify_attn(*args, sm_scale=sm_scale)
+    assert not np.isnan(out).any() and not np.isnan(lse).any(), "an output was not written"
+    for b in range(bs):
+        n = int(args[6][b])
+        err = np.linalg.norm(out[b] - want_out[b]) / max(np.linalg.norm(want_out[b]), 1e-30)
+        assert err <= REL_BOUND, (variant, b, err)
+        assert (out[b, n:] == 0).all() and np.isneginf(lse[b, n:]).all()
+        lse_err = np.abs(lse[b, :n] - want_lse[b, :n]) / (1 + np.abs(want_lse[b, :n]))
+        assert lse_err.max() <= REL_BOUND, (variant, b, lse_err.max())
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16])
+def test_kernel_matches_reference_small(seed, dtype):
+    rng = np.random.default_rng(seed)
+    args = attn_problem(rng, bs=int(rng.integers(1, 4)), budget=int(rng.integers(0, 8)), H=2,
+                        Dc=int(rng.choice([8, 40])), Dr=4, page_size=int(rng.choice([1, 4, 16])),
+                        max_prefix=int(rng.choice([0, 5, 20])), dtype=dtype)
+    for variant in kernel_variants():
+        check_against_reference(args, 0.3, variant)
+
+
+def test_kernel_chain_equals_causal_and_ancestor_only():
+    rng = np.random.default_rng(9)
+    lp, ids = random_topk(rng, 1, 5, 1)                         # K = 1: a chain
+    P, N, H, Dc, Dr = 4, 6, 2, 8, 4
+    tree = ref.build_tree(lp, ids, np.zeros(1, np.int32), N - 1)
+    cache, table = paged_cache(rng, 1, [P], N, page_size=4, D=Dc + Dr)
+    ql = rng.standard_normal((1, N, H, Dc)).astype(np.float32)
+    qr = rng.standard_normal((1, N, H, Dr)).astype(np.float32)
+    prefix = np.array([P], np.int32)
+    for variant in kernel_variants():
+        out, _ = K.verify_attn(ql, qr, cache, table, prefix, tree.visibility_bits,
+                               tree.num_nodes, sm_scale=0.25, variant=variant)
+        out = out.copy_to_host()
+        rows = ref.gather_slots(cache, table[0], P + N).astype(np.float64)
+        for i in range(N):                                      # causal: slots [0, P + i]
+            s = 0.25 * (ql[0, i] @ rows[: P + i + 1, :Dc].T + qr[0, i] @ rows[: P + i + 1, Dc:].T)
+            p = np.exp(s - s.max(-1, keepdims=True))
+            causal = (p / p.sum(-1, keepdims=True)) @ rows[: P + i + 1, :Dc]
+            np.testing.assert_allclose(out[0, i], causal, rtol=1e-4, atol=1e-5)
+        # changing the last node's row changes only rows that have it as an ancestor (itself)
+        changed = cache.copy()
+        slot = P + N - 1
+        changed[table[0, slot // 4], slot % 4] += 5.0
+        out2, _ = K.verify_attn(ql, qr, changed, table, prefix, tree.visibility_bits,
+                                tree.num_nodes, sm_scale=0.25, variant=variant)
+        out2 = out2.copy_to_host()
+        np.testing.assert_array_equal(out2[0, : N - 1], out[0, : N - 1])
+        assert not np.array_equal(out2[0, N - 1], out[0, N - 1])
+
+
+def test_kernel_rejects_bad_inputs_like_the_reference():
+    rng = np.random.default_rng(1)
+    args = list(attn_problem(rng, bs=1, budget=3, H=1, Dc=8, Dr=4, page_size=4, max_prefix=3))
+    with pytest.raises(TypeError, match="sm_scale"):
+        K.verify_attn(*args)
+    bad = [a.copy() for a in args]
+    bad[5][0, 1, 0] = np.uint32(2)                              # row 1 hides the root / itself
+    with pytest.raises(ValueError, match=r"visibility_bits: row \[0, 1\] must show"):
+        K.verify_attn(*bad, sm_scale=0.5)
+    with pytest.raises(TypeError, match=r"q_rope: expected float32"):
+        K.verify_attn(args[0], args[1].astype(np.float64), *args[2:], sm_scale=0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H, N, max_prefix, dtype", [
+    (128, 16, 2000, np.float32), (64, 64, 1500, bfloat16), (128, 64, 600, bfloat16),
+    (8, 1025, 300, np.float32), (64, 257, 100, np.float32),
+])
+def test_kernel_real_shapes(H, N, max_prefix, dtype):
+    rng = np.random.default_rng(H + N)
+    args = attn_problem(rng, bs=2, budget=N - 1, H=H, Dc=512, Dr=64, page_size=64,
+                        max_prefix=max_prefix, dtype=dtype, L=15, Kk=8)
+    check_against_reference(args, ref.deepseek_sm_scale(), "tiled")
+    check_against_reference(args, ref.deepseek_sm_scale(), "tiled", splits=1)
+    if N <= 64:
+        check_against_reference(args, ref.deepseek_sm_scale(), "readable")
+
+
+def test_workspace_shape_is_checked():
+    if K.SIMULATOR:
+        pytest.skip("the tiled variant (which uses the workspace) needs a GPU")
+    rng = np.random.default_rng(2)
+    args = attn_problem(rng, bs=1, budget=3, H=2, Dc=8, Dr=4, page_size=4, max_prefix=3)
+    from numba import cuda
+
+    bad = (cuda.device_array((7, 1, 8, 8), np.float32), cuda.device_array((7, 1, 8), np.float32))
+    with pytest.raises(ValueError, match="workspace: expected float32"):
+        K.verify_attn(*args, sm_scale=0.5, variant="tiled", splits=2, workspace=bad)

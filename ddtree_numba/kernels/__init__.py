@@ -10,6 +10,7 @@ from .build_tree import allocate_tree, build_tree
 from .commit_kv import commit_kv
 from .draft_topk import draft_topk
 from .tree_accept import allocate_accept, tree_accept
+from .verify_attn import verify_attn
 
 __all__ = [
     "SIMULATOR",
@@ -21,4 +22,5 @@ __all__ = [
     "draft_topk",
     "tree_accept",
     "use_stream",
+    "verify_attn",
 ]
