@@ -32,7 +32,7 @@ def _build_report(args) -> int:
     import os
 
     os.environ["NUMBA_ENABLE_CUDASIM"] = "0"      # compile for real; no GPU is needed for it
-    from .build_report import build_report, format_table, parse_cc
+    from .build_report import build_report, format_side_by_side, format_table, parse_cc
 
     try:
         ccs = [parse_cc(text) for text in (args.cc or ["12.0"])]
@@ -40,7 +40,10 @@ def _build_report(args) -> int:
         print(error, file=sys.stderr)
         return 2
     rows = build_report(ccs)
-    print(json.dumps(rows, indent=1) if args.json else format_table(rows))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(format_side_by_side(rows) if args.markdown else format_table(rows))
     return 1 if args.strict and any(row["problems"] for row in rows) else 0
 
 
@@ -67,6 +70,8 @@ def main(argv=None) -> int:
     report.add_argument("--cc", action="append", help="compute capability, e.g. 12.0 (default), "
                         "9.0, 8.9, 8.0; repeat for several")
     report.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    report.add_argument("--markdown", action="store_true",
+                        help="print a Markdown table with the targets side by side")
     report.add_argument("--strict", action="store_true", help="exit 1 if a kernel does not fit")
     args = parser.parse_args(argv)
     if args.command == "info":

@@ -216,3 +216,26 @@ def format_table(rows) -> str:
                 for p in r["problems"]]
     lines.append("problems: " + ("; ".join(problems) if problems else "none"))
     return "\n".join(lines)
+
+
+def format_side_by_side(rows) -> str:
+    """Markdown: one line per kernel specialisation, one column group per target."""
+    ccs = list(dict.fromkeys(r["cc"] for r in rows if r["cc"] != "-"))
+    head = "| kernel | variant | " + " | ".join(
+        f"{cc}: regs, smem, blocks/SM (occupancy), spills" for cc in ccs) + " |"
+    lines = [head, "|---|---|" + "---|" * len(ccs)]
+    keys = list(dict.fromkeys((r["stage"], r["variant"]) for r in rows if r["cc"] != "-"))
+    for stage, variant in keys:
+        cells = []
+        for cc in ccs:
+            r = next(x for x in rows if (x["cc"], x["stage"], x["variant"]) == (cc, stage,
+                                                                                 variant))
+            if "registers" not in r:
+                cells.append("does not build")
+                continue
+            spill = r["spill_stores"] + r["spill_loads"]
+            cells.append(f"{r['registers']}, {r['shared'] / 1024:.1f} KB, "
+                         f"{r['blocks_per_sm']} ({r['occupancy']:.0%}), "
+                         f"{'none' if not spill else f'{spill} B'}")
+        lines.append(f"| {stage} | {variant} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,89 @@
+"""Project the H200 timings in ``results/*.csv`` onto the RTX PRO 6000 Blackwell (sm_120).
+
+A projection, not a measurement: each kernel is scaled by the resource that bounds it on the
+H200, as measured (benchmarks/NOTES.md):
+
+* ``latency``: one dependent chain on one warp (build_tree's pops) -> SM clock ratio;
+* ``issue``: instruction issue over the whole GPU (draft_topk, verify_attn) -> (SMs x clock);
+* ``launch``: a few microseconds of graph launch and DRAM latency (tree_accept, commit_kv)
+  -> unchanged.
+
+Chip figures (datasheets; the H200 clock as read by Nsight Compute under load):
+H200 SXM 132 SMs at 1.98 GHz, 4.8 TB/s HBM3e; RTX PRO 6000 Blackwell 188 SMs, 125 TFLOP/s FP32
+peak (24 064 lanes x 2 x 2.6 GHz), 1.79 TB/s GDDR7.
+
+Writes ``results/projection_sm120.md`` (included by the docs).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+H200 = {"sms": 132, "clock_ghz": 1.98, "bandwidth_tbs": 4.8}
+RTX_PRO_6000 = {"sms": 188, "clock_ghz": 125e12 / (24064 * 2) / 1e9, "bandwidth_tbs": 1.792}
+
+SCALE = {
+    "latency": H200["clock_ghz"] / RTX_PRO_6000["clock_ghz"],
+    "issue": (H200["sms"] * H200["clock_ghz"]) / (RTX_PRO_6000["sms"] * RTX_PRO_6000["clock_ghz"]),
+    "launch": 1.0,
+}
+
+
+def rows(name):
+    with open(os.path.join(HERE, "results", f"{name}.csv")) as f:
+        return list(csv.DictReader(f))
+
+
+def projection() -> list:
+    """``(label, bound, H200 us, bytes moved, projected us)``; the projection is never below
+    the time the RTX PRO 6000 needs to move the kernel's bytes once at its datasheet rate."""
+    out = []
+    for r in rows("build_tree"):
+        if r["bs"] in ("1", "64"):
+            bs, N = int(r["bs"]), int(r["budget"]) + 1
+            nbytes = bs * N * N + bs * N * ((N + 31) // 32) * 4     # visibility + bits
+            out.append((f"build_tree bs={bs} budget={r['budget']}", "latency",
+                        float(r["gpu_us"]), nbytes))
+    for r in rows("draft_topk"):
+        if r["bs"] == "64" and r["k"] == "256":
+            nbytes = 64 * 15 * int(r["V"]) * (4 if r["dtype"] == "float32" else 2)
+            out.append((f"draft_topk bs=64 V={r['V']} K=256 {r['dtype']}", "issue",
+                        float(r["gpu_us"]), nbytes))
+    for r in rows("accept_commit"):
+        if r["N"] == "1025":
+            out.append((f"tree_accept bs={r['bs']} N=1025", "launch",
+                        float(r["tree_accept_us"]), 0))
+            out.append((f"commit_kv bs={r['bs']} N=1025", "launch", float(r["commit_kv_us"]),
+                        0))
+    for r in rows("verify_attn"):
+        if r["dtype"] == "float32":
+            bs, T = int(r["bs"]), int(r["prefix"]) + int(r["N"])
+            out.append((f"verify_attn bs={bs} N={r['N']} P={r['prefix']} H={r['H']}",
+                        "issue", float(r["gpu_us"]), bs * T * 576 * 4))
+    result = []
+    for label, bound, us, nbytes in out:
+        floor_us = nbytes / (RTX_PRO_6000["bandwidth_tbs"] * 1e12) * 1e6
+        result.append((label, bound, us, floor_us, max(us * SCALE[bound], floor_us)))
+    return result
+
+
+def markdown() -> str:
+    lines = ["| kernel and size | bound on the H200 | H200 measured (us) | "
+             "sm_120 bandwidth floor (us) | RTX PRO 6000 projected (us) |",
+             "|---|---|---:|---:|---:|"]
+    for label, bound, us, floor_us, projected in projection():
+        lines.append(f"| {label} | {bound} | {us:,.1f} | {floor_us:,.1f} | {projected:,.1f} |")
+    lines.append("")
+    lines.append(f"Scale factors: latency x{SCALE['latency']:.2f} (clock "
+                 f"{H200['clock_ghz']:.2f} -> {RTX_PRO_6000['clock_ghz']:.2f} GHz), issue "
+                 f"x{SCALE['issue']:.2f} (SMs x clock), launch x1.")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    path = os.path.join(HERE, "results", "projection_sm120.md")
+    with open(path, "w") as f:
+        f.write(markdown())
+    print(markdown())
