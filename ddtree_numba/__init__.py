@@ -5,6 +5,7 @@ same functions on the GPU (or numba's CUDA simulator). See ``DESIGN.md`` for the
 """
 
 from .contracts import AcceptResult, DraftTree
+from .kdtr import KdtrError, load_kdtr, save_kdtr
 
 __version__ = "0.1.0"
-__all__ = ["AcceptResult", "DraftTree", "__version__"]
+__all__ = ["AcceptResult", "DraftTree", "KdtrError", "__version__", "load_kdtr", "save_kdtr"]

@@ -73,7 +73,18 @@ def main(argv=None) -> int:
     report.add_argument("--markdown", action="store_true",
                         help="print a Markdown table with the targets side by side")
     report.add_argument("--strict", action="store_true", help="exit 1 if a kernel does not fit")
+    fixtures = sub.add_parser("fixtures", help="write golden KDTR fixtures of every stage "
+                              "(inputs and expected outputs from the references)")
+    fixtures.add_argument("outdir")
+    fixtures.add_argument("--seed", type=int, default=0)
+    fixtures.add_argument("--cases", type=int, default=1, help="cases per stage")
     args = parser.parse_args(argv)
+    if args.command == "fixtures":
+        from .fixtures import write_fixtures
+
+        manifest = write_fixtures(args.outdir, seed=args.seed, cases=args.cases)
+        print(f"wrote {len(manifest['files'])} fixtures and manifest.json to {args.outdir}")
+        return 0
     if args.command == "info":
         return _info()
     if args.command == "build-report":

@@ -1,0 +1,175 @@
+"""Golden fixtures: inputs and expected outputs of every stage, from the references, as KDTR.
+
+``python -m ddtree_numba fixtures OUTDIR [--seed S] [--cases N]`` writes, for each case,
+``OUTDIR/<stage>_<case>.kdtr`` for the stages ``draft_topk``, ``build_tree``, ``verify_attn``
+(a float32 and a bfloat16 cache), ``tree_accept``, ``commit_kv`` and ``greedy_step`` (one whole
+step of the bigram toy target, whose tables travel in the file), plus ``manifest.json``
+describing every file and tensor. Tensor names are ``in.<argument>`` and ``out.<result>``;
+scalars are rank-0 tensors. The same seed gives byte-identical files.
+
+A native implementation loads a file (``tools/kdtr.h``), runs its stage on the ``in.`` tensors
+and compares with the ``out.`` tensors: exactly for the integer and add-only stages, within
+the documented bounds for ``draft_topk`` log-probs and ``verify_attn``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from . import reference as ref
+from .kdtr import load_kdtr, save_kdtr
+from .toy import BigramTarget, noisy_drafter_logits
+from .validation import BFLOAT16
+
+
+def _random_topk(rng, bs, L, K, V):
+    x = (rng.standard_normal((bs, L, V)) * 3).astype(np.float32)
+    return ref.draft_topk(x, K)
+
+
+def _tree_outputs(tree, prefix="out.tree."):
+    return {prefix + f.name: getattr(tree, f.name) for f in dataclasses.fields(tree)}
+
+
+def _paged_cache(rng, bs, prefix_lens, N, page_size, D, dtype=np.float32):
+    need = [(int(p) + N + page_size - 1) // page_size for p in prefix_lens]
+    perm = rng.permutation(sum(need)).astype(np.int32)
+    table = np.zeros((bs, max(need)), np.int32)
+    start = 0
+    for b in range(bs):
+        table[b, : need[b]] = perm[start : start + need[b]]
+        table[b, need[b] :] = perm[start]          # unused entries: any page of the request
+        start += need[b]
+    cache = rng.standard_normal((sum(need), page_size, D)).astype(dtype)
+    return cache, table
+
+
+def stage_cases(rng) -> dict:
+    """One case of every stage: ``{stage: {tensor name: array}}``."""
+    cases = {}
+    bs, L, V, K, budget = 2, 4, 24, 4, 12
+    logits = (rng.standard_normal((bs, L, V)) * 2).astype(np.float32)
+    logits[0, 0, 5:] = -np.inf                        # fewer than K finite entries
+    logits[1, 2] = np.round(logits[1, 2])             # ties
+    lp, ids = ref.draft_topk(logits, K)
+    cases["draft_topk"] = {"in.logits": logits, "in.k": np.int32(K),
+                           "out.top_log_probs": lp, "out.top_token_ids": ids}
+
+    lp, ids = _random_topk(rng, bs, L, K, V)
+    roots = rng.integers(0, V, bs).astype(np.int32)
+    prefix = rng.integers(0, 20, bs).astype(np.int32)
+    tree = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
+    cases["build_tree"] = {"in.top_log_probs": lp, "in.top_token_ids": ids,
+                           "in.root_token_ids": roots, "in.budget": np.int32(budget),
+                           "in.prefix_lens": prefix, **_tree_outputs(tree)}
+
+    small = ref.build_tree(lp, ids, roots, 4, prefix_lens=prefix)   # 5 nodes: quick to simulate
+    Ns, H, Dc, Dr, page = 5, 2, 16, 8, 8
+    for name, dtype in (("verify_attn", np.float32), ("verify_attn_bf16", BFLOAT16)):
+        cache, table = _paged_cache(rng, bs, prefix, Ns, page, Dc + Dr, dtype)
+        ql = rng.standard_normal((bs, Ns, H, Dc)).astype(np.float32)
+        qr = rng.standard_normal((bs, Ns, H, Dr)).astype(np.float32)
+        scale = 0.25
+        out, lse = ref.verify_attn(ql, qr, cache, table, prefix, small.visibility_bits,
+                                   small.num_nodes, sm_scale=scale)
+        cases[name] = {"in.q_latent": ql, "in.q_rope": qr, "in.kv_cache": cache,
+                       "in.block_table": table, "in.prefix_lens": prefix,
+                       "in.visibility_bits": small.visibility_bits,
+                       "in.num_nodes": small.num_nodes, "in.sm_scale": np.float64(scale),
+                       "out.out_latent": out, "out.lse": lse}
+
+    N = budget + 1
+
+    predict = rng.integers(0, V, (bs, N)).astype(np.int32)
+    for b in range(bs):                               # follow a path for a while
+        cur = 0
+        for _ in range(3):
+            kids = np.flatnonzero(tree.parents[b] == cur)
+            if not kids.size:
+                break
+            child = int(kids[-1])
+            predict[b, cur] = tree.token_ids[b, child]
+            cur = child
+    acc = ref.tree_accept(tree.token_ids, tree.next_token, tree.next_sibling, predict)
+    cases["tree_accept"] = {"in.token_ids": tree.token_ids, "in.next_token": tree.next_token,
+                            "in.next_sibling": tree.next_sibling, "in.target_predict": predict,
+                            **{f"out.{f.name}": getattr(acc, f.name)
+                               for f in dataclasses.fields(acc)}}
+
+    cache, table = _paged_cache(rng, bs, prefix, N, page, Dc + Dr)
+    moved = cache.copy()
+    new_prefix = ref.commit_kv(moved, table, prefix, acc.accept_nodes, acc.accept_len)
+    cases["commit_kv"] = {"in.kv_cache": cache, "in.block_table": table,
+                          "in.prefix_lens": prefix, "in.accept_nodes": acc.accept_nodes,
+                          "in.accept_len": acc.accept_len, "out.kv_cache": moved,
+                          "out.prefix_lens": new_prefix}
+
+    target = BigramTarget(vocab=V, row_width=8, seed=int(rng.integers(1 << 30)))
+    draft = noisy_drafter_logits(target, roots, L, confidence=3.0, rng=rng)
+    cache, table = _paged_cache(rng, bs, prefix, N + L + 1, page, 8)
+    cache_before = cache.copy()
+    step = ref.greedy_step(draft, roots, target.forward, cache, table, prefix, k=K,
+                           budget=budget)
+    cases["greedy_step"] = {
+        "in.draft_logits": draft, "in.root_token_ids": roots, "in.kv_cache": cache_before,
+        "in.block_table": table, "in.prefix_lens": prefix, "in.k": np.int32(K),
+        "in.budget": np.int32(budget), "in.toy_next_of": target.next_of,
+        "in.toy_embedding": target.embedding, **_tree_outputs(step.tree),
+        "out.target_predict": step.target_predict,
+        **{f"out.accept.{f.name}": getattr(step.accept, f.name)
+           for f in dataclasses.fields(step.accept)},
+        "out.kv_cache": cache, "out.prefix_lens": step.prefix_lens}
+    return cases
+
+
+DESCRIPTIONS = {
+    "draft_topk": "reference.draft_topk(in.logits, in.k); ids exact, log-probs within the "
+                  "bound of kernels/draft_topk.py",
+    "build_tree": "reference.build_tree(in.top_log_probs, in.top_token_ids, "
+                  "in.root_token_ids, in.budget, prefix_lens=in.prefix_lens); exact",
+    "verify_attn": "reference.verify_attn(..., sm_scale=in.sm_scale), float32 cache; "
+                   "relative error bound 2e-5",
+    "verify_attn_bf16": "reference.verify_attn(..., sm_scale=in.sm_scale), bfloat16 cache; "
+                        "relative error bound 2e-5",
+    "tree_accept": "reference.tree_accept(in.token_ids, in.next_token, in.next_sibling, "
+                   "in.target_predict); exact",
+    "commit_kv": "reference.commit_kv(in.kv_cache, ...) in place; out.kv_cache is the cache "
+                 "after; exact",
+    "greedy_step": "one reference.greedy_step of the bigram toy target "
+                   "(next token = in.toy_next_of[token]); exact",
+}
+
+
+def write_fixtures(outdir, *, seed: int = 0, cases: int = 1) -> dict:
+    """Write ``cases`` cases of every stage to ``outdir``; return the manifest."""
+    os.makedirs(outdir, exist_ok=True)
+    manifest = {"format": "KDTR v1 (ddtree_numba/kdtr.py)", "seed": seed, "files": []}
+    rng = np.random.default_rng(seed)
+    for case in range(cases):
+        for stage, tensors in stage_cases(rng).items():
+            name = f"{stage}_{case}.kdtr"
+            save_kdtr(os.path.join(outdir, name), **tensors)
+            manifest["files"].append({
+                "file": name, "stage": stage, "case": case, "description": DESCRIPTIONS[stage],
+                "tensors": {k: {"dtype": _dtype_name(np.asarray(v).dtype),
+                                "shape": list(np.shape(v))} for k, v in tensors.items()}})
+    with open(os.path.join(outdir, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.write("\n")
+    return manifest
+
+
+def _dtype_name(dtype) -> str:
+    return "bfloat16" if dtype == BFLOAT16 else np.dtype(dtype).name
+
+
+def read_case(path) -> tuple:
+    """``(inputs, outputs)`` of a fixture file: dicts without the ``in.`` / ``out.`` prefix."""
+    tensors = load_kdtr(path)
+    inputs = {k[3:]: v for k, v in tensors.items() if k.startswith("in.")}
+    outputs = {k[4:]: v for k, v in tensors.items() if k.startswith("out.")}
+    return inputs, outputs
