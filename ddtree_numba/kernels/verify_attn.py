@@ -37,7 +37,7 @@ Grid ``(splits, ceil(N H / BM), bs)``, 256 threads, 16 per query row. For each t
    over ``k`` is unrolled, so the accumulator indices are constants: no local memory).
 
 Registers: numba's NVVM emits heavier code for sm_80 / 8.9 / 9.0 than for sm_120 (this kernel:
-~250 registers on sm_90, 99 on sm_120; ``python -m ddtree_numba build-report``). With 32 query
+~230 registers on sm_90, 96 on sm_120; ``python -m ddtree_numba build-report``). With 32 query
 rows and 512 threads it could not launch on sm_90, and capped at 128 registers it spilled; 16
 rows x 256 threads fits without spills on both (one block per SM on sm_90, two on sm_120).
 
@@ -55,7 +55,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, uint32
+from numba import cuda, float32, int32, uint32
 
 from ..validation import BFLOAT16, FLOAT16, check_verify_attn
 from ._device import SIMULATOR, as_device, device_empty, launch_stream
@@ -205,7 +205,9 @@ def _make_tiled_kernel(kind: str):
         k_s = cuda.shared.array((BN, KPAD), float32)   # padded row: no bank conflicts
         p_s = cuda.shared.array((BM, BN), float32)
         c_s = cuda.shared.array((VSLOTS, MAX_DC), float32)
-        acc = cuda.local.array(ACC, float32)    # out[row, g + 8 k] (registers: unrolled)
+        slot_page = cuda.shared.array(BN, int32)  # page and row of each slot of the tile:
+        slot_row = cuda.shared.array(BN, int32)   # looked up once per tile, not per element
+        acc = cuda.local.array(ACC, float32)    # out[row, g + 16 k] (registers: unrolled)
         score = cuda.local.array(SCORES, float32)
 
         row = row0 + r                          # flattened (node, head) of this thread
@@ -217,6 +219,11 @@ def _make_tiled_kernel(kind: str):
         l = float32(0.0)
 
         for t0 in range(t_begin, t_end, BN):
+            if tid < BN:                        # 0. where each slot of the tile lives
+                t = min(t0 + tid, t_end - 1)
+                slot_page[tid] = block_table[b, t // page_size]
+                slot_row[tid] = t % page_size
+            cuda.syncthreads()                  # slot table written before the staging reads it
             # 1. S = Q K^T over D dims, 32 at a time through shared memory
             for k in range(SCORES):
                 score[k] = 0.0
@@ -238,11 +245,11 @@ def _make_tiled_kernel(kind: str):
                     t = t0 + ss
                     v = float32(0.0)
                     if t < t_end and d0 + dd < D:
-                        v = load(cache, block_table[b, t // page_size], t % page_size, d0 + dd)
+                        v = load(cache, slot_page[ss], slot_row[ss], d0 + dd)
                     k_s[ss, dd] = v
                 cuda.syncthreads()              # chunks staged before the products
-                for dd in range(min(DCHUNK, D - d0)):   # a runtime bound: not unrolled, so
-                    q = q_s[r, dd]                      # ptxas does not hoist 96 loads
+                for dd in range(DCHUNK):        # zeros past D were staged: no bound check
+                    q = q_s[r, dd]
                     for k in range(SCORES):
                         score[k] += q * k_s[g + ROW_THREADS * k, dd]
                 cuda.syncthreads()              # products done before the next staging
@@ -280,10 +287,10 @@ def _make_tiled_kernel(kind: str):
                     t = t0 + sub + ss
                     v = float32(0.0)
                     if t < t_end and cc < Dc:
-                        v = load(cache, block_table[b, t // page_size], t % page_size, cc)
+                        v = load(cache, slot_page[sub + ss], slot_row[sub + ss], cc)
                     c_s[ss, cc] = v
                 cuda.syncthreads()              # latent rows staged before the products
-                for ss in range(min(VSLOTS, t_end - t0 - sub)):   # runtime bound, as above
+                for ss in range(VSLOTS):        # slots past t_end have p = 0
                     p = p_s[r, sub + ss]
                     for k in range(ACC):        # acc[k] is column g + 16 k (constant index)
                         acc[k] += p * c_s[ss, g + ROW_THREADS * k]
