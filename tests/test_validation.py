@@ -202,3 +202,14 @@ def test_tree_from_parents_rejects():
         ref.tree_from_parents(np.array([[0, 0, 1]], np.int32), tok)
     with pytest.raises(ValueError, match="padding must be contiguous"):
         ref.tree_from_parents(np.array([[-1, -1, 0]], np.int32), tok)
+
+
+def test_kernel_variant_is_checked():
+    a = good_tree_args()
+    a["variant"] = "bogus"
+    with pytest.raises(ValueError, match=r"variant: expected one of \('scan', 'warp'\)"):
+        call_build(K, a)
+    if K.SIMULATOR:
+        a["variant"] = "warp"
+        with pytest.raises(ValueError, match="needs warp intrinsics"):
+            call_build(K, a)

@@ -41,6 +41,16 @@ def test_absorbed_equals_plain_mla():
     np.testing.assert_allclose(absorbed, plain, rtol=1e-4, atol=1e-4)
 
 
+def causal_attention(q_latent, q_rope, rows, visible, scale):
+    """Plain causal attention of one query ``[H, D*]`` over the first ``visible`` rows."""
+    Dc = q_latent.shape[-1]
+    s = scale * (q_latent @ rows[:visible, :Dc].T + q_rope @ rows[:visible, Dc:].T)  # [H, t]
+    m = s.max(-1, keepdims=True)
+    e = np.exp(s - m)
+    return (e / e.sum(-1, keepdims=True)) @ rows[:visible, :Dc], (m + np.log(e.sum(-1,
+                                                                              keepdims=True)))[:, 0]
+
+
 def test_chain_equals_causal_attention():
     rng = np.random.default_rng(1)
     lp, ids = random_topk(rng, 1, 6, 1)                         # K = 1: a chain
@@ -52,13 +62,10 @@ def test_chain_equals_causal_attention():
     out, lse = ref.verify_attn(ql, qr, cache, table, np.array([P], np.int32),
                                tree.visibility_bits, tree.num_nodes, sm_scale=0.25)
     rows = ref.gather_slots(cache, table[0], P + N).astype(np.float64)
-    for i in range(N):                                          # causal: slots [0, P + i]
-        s = 0.25 * (ql[0, i] @ rows[: P + i + 1, :Dc].T + qr[0, i] @ rows[: P + i + 1, Dc:].T)
-        p = np.exp(s - s.max(-1, keepdims=True))
-        np.testing.assert_allclose(out[0, i], (p / p.sum(-1, keepdims=True)) @ rows[: P + i + 1,
-                                   :Dc], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(lse[0, i], s.max(-1) + np.log(np.exp(s - s.max(-1,
-                                   keepdims=True)).sum(-1)), rtol=1e-6)
+    for i in range(N):
+        want_out, want_lse = causal_attention(ql[0, i], qr[0, i], rows, P + i + 1, 0.25)
+        np.testing.assert_allclose(out[0, i], want_out, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(lse[0, i], want_lse, rtol=1e-6)
 
 
 def test_output_depends_only_on_ancestors_and_padding_rows():
@@ -172,11 +179,9 @@ def test_kernel_chain_equals_causal_and_ancestor_only():
                                tree.num_nodes, sm_scale=0.25, variant=variant)
         out = out.copy_to_host()
         rows = ref.gather_slots(cache, table[0], P + N).astype(np.float64)
-        for i in range(N):                                      # causal: slots [0, P + i]
-            s = 0.25 * (ql[0, i] @ rows[: P + i + 1, :Dc].T + qr[0, i] @ rows[: P + i + 1, Dc:].T)
-            p = np.exp(s - s.max(-1, keepdims=True))
-            causal = (p / p.sum(-1, keepdims=True)) @ rows[: P + i + 1, :Dc]
-            np.testing.assert_allclose(out[0, i], causal, rtol=1e-4, atol=1e-5)
+        for i in range(N):
+            want_out, _ = causal_attention(ql[0, i], qr[0, i], rows, P + i + 1, 0.25)
+            np.testing.assert_allclose(out[0, i], want_out, rtol=1e-4, atol=1e-5)
         # changing the last node's row changes only rows that have it as an ancestor (itself)
         changed = cache.copy()
         slot = P + N - 1

@@ -115,6 +115,19 @@ def use_stream(stream):
         _stream_stack.pop()
 
 
+def resolve_variant(variant, *, readable: str, fast: str) -> str:
+    """The kernel variant to launch: ``fast`` on a GPU and ``readable`` on the simulator by
+    default; asking for ``fast`` on the simulator (no warp intrinsics there) is an error."""
+    if variant is None:
+        return readable if SIMULATOR else fast
+    if variant not in (readable, fast):
+        raise ValueError(f"variant: expected one of {(readable, fast)}, got {variant!r}")
+    if variant == fast and SIMULATOR:
+        raise ValueError(f"variant: {fast!r} needs warp intrinsics, which the CUDA simulator "
+                         f"lacks; use {readable!r}")
+    return variant
+
+
 def blocks_for(n: int, threads: int) -> int:
     """Blocks of ``threads`` threads that cover ``n`` items (at least 1)."""
     return max(1, (n + threads - 1) // threads)

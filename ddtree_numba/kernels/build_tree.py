@@ -67,7 +67,7 @@ from numba import cuda, float32, int16, int32, uint32
 
 from ..contracts import DraftTree
 from ..validation import MAX_DEPTH, MAX_NODES, check_build_tree
-from ._device import SIMULATOR, as_device, device_empty, launch_stream
+from ._device import SIMULATOR, as_device, device_empty, launch_stream, resolve_variant
 from ._primitives import float_of_key, key_of_float, warp_max_u32
 
 NODE_CAPACITY = MAX_NODES           # 1056 = 32 lanes x 33 nodes
@@ -362,14 +362,6 @@ def _finish_kernel(top_token_ids, root_token_ids, prefix_lens, has_prefix, paren
 # ------------------------------------------------------------------------------------------
 # Launcher
 # ------------------------------------------------------------------------------------------
-VARIANTS = ("scan", "warp")
-
-
-def default_variant() -> str:
-    """``"warp"`` on a GPU, ``"scan"`` on the simulator (which has no warp shuffles)."""
-    return "scan" if SIMULATOR else "warp"
-
-
 def allocate_tree(bs: int, N: int) -> DraftTree:
     """Device buffers for a :class:`DraftTree` (the kernels write every element)."""
     W = (N + 31) // 32
@@ -426,12 +418,7 @@ def build_tree(top_log_probs, top_token_ids, root_token_ids, budget, *, prefix_l
                          f"got {budget}")
     if sz.L > MAX_DEPTH:
         raise ValueError(f"top_log_probs: expected L <= {MAX_DEPTH}, got L = {sz.L}")
-    variant = default_variant() if variant is None else variant
-    if variant not in VARIANTS:
-        raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
-    if variant == "warp" and SIMULATOR:
-        raise ValueError("variant: 'warp' needs warp shuffles, which the CUDA simulator lacks; "
-                         "use 'scan'")
+    variant = resolve_variant(variant, readable="scan", fast="warp")
     lp = as_device(top_log_probs)
     ids = as_device(top_token_ids)
     roots = as_device(root_token_ids)

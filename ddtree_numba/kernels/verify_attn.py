@@ -58,7 +58,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from ..validation import BFLOAT16, FLOAT16, check_verify_attn
-from ._device import SIMULATOR, as_device, device_empty, launch_stream
+from ._device import SIMULATOR, as_device, device_empty, launch_stream, resolve_variant
 from ._primitives import bits_to_float
 
 NEG_INF = float32(-np.inf)
@@ -351,7 +351,6 @@ def _merge_kernel(part_out, part_lse, num_nodes, out, lse):
 # ------------------------------------------------------------------------------------------
 # Launcher
 # ------------------------------------------------------------------------------------------
-VARIANTS = ("readable", "tiled")
 _KERNELS: dict = {}
 
 
@@ -434,12 +433,7 @@ def verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visibility
                            visibility_bits, num_nodes, sm_scale, check=check)
     if sz.Dc > MAX_DC:
         raise ValueError(f"q_latent: expected Dc <= {MAX_DC}, got Dc = {sz.Dc}")
-    variant = ("readable" if SIMULATOR else "tiled") if variant is None else variant
-    if variant not in VARIANTS:
-        raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
-    if variant == "tiled" and SIMULATOR:
-        raise ValueError("variant: 'tiled' needs warp shuffles, which the CUDA simulator "
-                         "lacks; use 'readable'")
+    variant = resolve_variant(variant, readable="readable", fast="tiled")
     kind = _storage_kind(kv_cache)
     if SIMULATOR and kind == "bfloat16":        # no bf16 on the simulator: widen exactly
         kv_cache = np.asarray(kv_cache).astype(np.float32)
