@@ -23,7 +23,7 @@ Byte layout (version 1; every integer little-endian; offsets from the start of t
 
 Reading is defensive: the whole directory is checked (magic, version, count, names, codes,
 ranks, unused shape slots, products without overflow, nbytes, alignment, bounds, overlaps,
-duplicate names) before any tensor is allocated, and every problem raises :class:`KdtrError`
+duplicate names) before any tensor is allocated, and every problem raises ``KdtrError``
 (a ``ValueError``) naming the tensor and the field. Names outside the allowed ASCII set are
 rejected when saving and when loading.
 """
@@ -184,7 +184,7 @@ def parse_directory(buffer: bytes) -> list:
 def load_kdtr(path) -> dict:
     """Read a KDTR file: ``{name: numpy array}`` in directory order.
 
-    Raises :class:`KdtrError` for a malformed file (see the module docstring).
+    Raises :class:`~ddtree_numba.KdtrError` for a malformed file (see the module docstring).
     """
     with open(path, "rb") as f:
         buffer = f.read()

@@ -10,12 +10,13 @@ from .build_tree import allocate_tree, build_tree
 from .commit_kv import commit_kv
 from .draft_topk import draft_topk
 from .tree_accept import allocate_accept, tree_accept
-from .verify_attn import verify_attn
+from .verify_attn import allocate_workspace, verify_attn
 
 __all__ = [
     "SIMULATOR",
     "allocate_accept",
     "allocate_tree",
+    "allocate_workspace",
     "as_device",
     "build_tree",
     "commit_kv",

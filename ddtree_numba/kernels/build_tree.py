@@ -363,7 +363,8 @@ def _finish_kernel(top_token_ids, root_token_ids, prefix_lens, has_prefix, paren
 # Launcher
 # ------------------------------------------------------------------------------------------
 def allocate_tree(bs: int, N: int) -> DraftTree:
-    """Device buffers for a :class:`DraftTree` (the kernels write every element)."""
+    """Device buffers for a :class:`~ddtree_numba.DraftTree` (the kernels write every
+    element)."""
     W = (N + 31) // 32
     return DraftTree(
         token_ids=device_empty((bs, N), np.int32),
@@ -396,12 +397,13 @@ def build_tree(top_log_probs, top_token_ids, root_token_ids, budget, *, prefix_l
     prefix_lens : array, optional
         ``int32[bs]``; positions are ``prefix_lens + depths``.
     check : bool, optional
-        Run the value checks of :func:`ddtree_numba.validation.check_build_tree`. Default:
+        Run the value checks of ``validation.check_build_tree``. Default:
         on for numpy inputs, off for device inputs (they would need a host copy).
     variant : str, optional
         ``"warp"`` (fast, GPU only) or ``"scan"`` (readable, simulator); default by platform.
     out : DraftTree, optional
-        Preallocated device buffers (:func:`allocate_tree`) to fill, e.g. for graph capture.
+        Preallocated device buffers (:func:`~ddtree_numba.kernels.allocate_tree`) to fill,
+        e.g. for graph capture.
     scratch : device array, optional
         ``int32[bs, N]`` for the rank of each node; allocated when omitted.
 

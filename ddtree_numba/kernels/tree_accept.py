@@ -106,7 +106,7 @@ def tree_accept(token_ids, next_token, next_sibling, target_predict, *, check=No
     check : bool, optional
         Run the value checks (links form a tree). Default: on for numpy inputs only.
     out : AcceptResult, optional
-        Preallocated device buffers (:func:`allocate_accept`).
+        Preallocated device buffers (:func:`ddtree_numba.kernels.allocate_accept`).
 
     Returns
     -------

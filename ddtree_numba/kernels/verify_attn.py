@@ -42,7 +42,7 @@ rows and 512 threads it could not launch on sm_90, and capped at 128 registers i
 rows x 256 threads fits without spills on both (one block per SM on sm_90, two on sm_120).
 
 Each block writes an unnormalised partial ``(out / l, m + log l)``; the merge kernel combines
-the splits of a row by log-sum-exp (:func:`_merge_partials`, the only place the merge is
+the splits of a row by log-sum-exp (``_merge_partials``, the only place the merge is
 written). bfloat16 / float16 caches are read as 16-bit values and widened to float32 on load;
 all arithmetic is float32.
 
@@ -421,7 +421,8 @@ def verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visibility
     out : tuple, optional
         Preallocated ``(out_latent, lse)`` device arrays.
     workspace : tuple, optional
-        Split partials of the tiled variant (:func:`allocate_workspace`); required for CUDA
+        Split partials of the tiled variant
+        (:func:`~ddtree_numba.kernels.allocate_workspace`); required for CUDA
         graph capture, allocated per call otherwise.
 
     Returns

@@ -77,7 +77,7 @@ def build_tree(top_log_probs, top_token_ids, root_token_ids, budget, *, prefix_l
     budget : int
         Draft nodes per tree, root excluded (``B``); the trees hold ``N = B + 1`` nodes.
     prefix_lens : numpy.ndarray, optional
-        ``int32[bs]``: committed tokens before the root; sets :attr:`DraftTree.positions`.
+        ``int32[bs]``: committed tokens before the root; sets ``DraftTree.positions``.
 
     Returns
     -------
