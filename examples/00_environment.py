@@ -1,4 +1,6 @@
-"""00: the environment: numba-cuda on a GPU or on its CPU simulator.
+"""00: numba-cuda on a GPU or on its CPU simulator
+===============================================
+
 
 Every example starts the same way: decide between the real GPU and numba's CUDA simulator
 *before* numba is imported (``NUMBA_ENABLE_CUDASIM=1`` selects the simulator), then use the

@@ -1,4 +1,6 @@
-"""01: draft top-K: the drafter's logits become per-depth top-K log-probabilities.
+"""01: draft top-K log-probabilities from the drafter's logits
+===========================================================
+
 
 ``draft_topk(logits, k)`` keeps, for each request and draft position, the ``k`` largest
 logits (ties by smaller token id) and their log-softmax values. The kernel finds the k-th

@@ -1,4 +1,6 @@
-"""02: build the draft tree, best-first, and draw it.
+"""02: build the draft tree best-first, and draw it
+================================================
+
 
 ``build_tree`` grows one tree per request: starting from the root (the last committed token),
 it repeatedly takes the highest-scoring candidate (a parent and the rank of a token at the
@@ -69,8 +71,7 @@ def draw(tree, b, path="tree.png", highlight=()):
                 ha="center", fontsize=7)
     ax.set_axis_off()
     ax.set_title(f"draft tree of request {b}: token (cumulative log-prob), node order = pop order")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    fig.savefig(path, dpi=110, bbox_inches="tight")   # left open: the docs gallery shows it
     return path
 
 

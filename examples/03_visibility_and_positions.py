@@ -1,4 +1,6 @@
-"""03: what each tree node may see: the ancestor mask and the RoPE positions.
+"""03: what each node may see: ancestor mask and positions
+=======================================================
+
 
 In the target's verification pass every node attends to the committed prefix and to its own
 ancestors (and itself), never to a sibling's branch. ``visibility[b, i, j]`` says whether node

@@ -1,4 +1,6 @@
-"""04: verification attention: every node of the tree in one pass over the paged latent cache.
+"""04: verification attention over the paged latent cache
+======================================================
+
 
 DeepSeek-V3 / Kimi-K2 attention in the absorbed MLA form reads one 576-wide latent row per
 token (512 latent + 64 rope), shared by all heads. ``verify_attn`` computes, for every node and

@@ -1,4 +1,6 @@
-"""05: accept the longest agreeing path, then move its cache rows behind the prefix.
+"""05: accept the agreeing path, commit its cache rows
+===================================================
+
 
 The target's argmax at every node (``target_predict``) decides: from the root, follow the child
 whose token equals the target's prediction; the prediction at the last accepted node is the
