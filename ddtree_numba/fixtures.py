@@ -22,6 +22,7 @@ import numpy as np
 
 from . import reference as ref
 from .kdtr import load_kdtr, save_kdtr
+from .paging import shuffled_block_table
 from .toy import BigramTarget, noisy_drafter_logits
 from .validation import BFLOAT16
 
@@ -36,16 +37,8 @@ def _tree_outputs(tree, prefix="out.tree."):
 
 
 def _paged_cache(rng, bs, prefix_lens, N, page_size, D, dtype=np.float32):
-    need = [(int(p) + N + page_size - 1) // page_size for p in prefix_lens]
-    perm = rng.permutation(sum(need)).astype(np.int32)
-    table = np.zeros((bs, max(need)), np.int32)
-    start = 0
-    for b in range(bs):
-        table[b, : need[b]] = perm[start : start + need[b]]
-        table[b, need[b] :] = perm[start]          # unused entries: any page of the request
-        start += need[b]
-    cache = rng.standard_normal((sum(need), page_size, D)).astype(dtype)
-    return cache, table
+    table, num_pages = shuffled_block_table(rng, prefix_lens, N, page_size)
+    return rng.standard_normal((num_pages, page_size, D)).astype(dtype), table
 
 
 def stage_cases(rng) -> dict:

@@ -16,6 +16,7 @@ import numpy as np
 
 from ddtree_numba import kernels as K
 from ddtree_numba import reference as ref
+from ddtree_numba.paging import shuffled_block_table
 
 bs, budget, H, Dc, Dr, page, max_prefix = pick((2, 6, 2, 16, 8, 4, 12),
                                                (2, 63, 64, 512, 64, 64, 2000))
@@ -28,15 +29,8 @@ N = budget + 1
 # %%
 # A paged cache with a shuffled block table: slot t of request b is at
 # kv_cache[block_table[b, t // page], t % page].
-pages = [(int(p) + N + page - 1) // page for p in prefix]
-order = rng.permutation(sum(pages)).astype(np.int32)
-table = np.zeros((bs, max(pages)), np.int32)
-start = 0
-for b in range(bs):
-    table[b, : pages[b]] = order[start : start + pages[b]]
-    table[b, pages[b] :] = order[start]
-    start += pages[b]
-cache = rng.standard_normal((sum(pages), page, Dc + Dr)).astype(np.float32)
+table, num_pages = shuffled_block_table(rng, prefix, N, page)
+cache = rng.standard_normal((num_pages, page, Dc + Dr)).astype(np.float32)
 q_latent = rng.standard_normal((bs, N, H, Dc)).astype(np.float32)
 q_rope = rng.standard_normal((bs, N, H, Dr)).astype(np.float32)
 sm_scale = ref.deepseek_sm_scale()                      # 192 ** -0.5 * mscale ** 2, not 576 ** -0.5

@@ -17,6 +17,7 @@ import numpy as np
 
 from ddtree_numba import kernels as K
 from ddtree_numba import reference as ref
+from ddtree_numba.paging import shuffled_block_table
 
 rng = np.random.default_rng(4)
 top_lp, top_ids = ref.draft_topk((rng.standard_normal((2, 4, 16)) * 2).astype(np.float32), 3)
@@ -47,11 +48,8 @@ report("tree_accept", all(np.array_equal(getattr(got, f.name), getattr(want, f.n
 # %%
 # Commit on a paged cache (8-row pages, pages shuffled): reference and kernel, same result.
 page = 8
-pages = [(int(p) + 11 + page - 1) // page for p in prefix]
-order = rng.permutation(sum(pages)).astype(np.int32)
-table = np.stack([np.pad(order[: pages[0]], (0, max(pages) - pages[0]), mode="edge"),
-                  np.pad(order[pages[0] :], (0, max(pages) - pages[1]), mode="edge")])
-cache = rng.standard_normal((sum(pages), page, 6)).astype(np.float32)
+table, num_pages = shuffled_block_table(rng, prefix, 11, page)
+cache = rng.standard_normal((num_pages, page, 6)).astype(np.float32)
 cache_ref, cache_kernel = cache.copy(), cache.copy()
 new_ref = ref.commit_kv(cache_ref, table, prefix, want.accept_nodes, want.accept_len)
 new_kernel = K.commit_kv(cache_kernel, table, prefix, want.accept_nodes, want.accept_len)

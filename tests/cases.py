@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ddtree_numba import reference as ref
+from ddtree_numba.paging import shuffled_block_table
 
 
 def random_topk(rng, bs, L, K, *, V=None, ties=False, neg_inf=0.0, peaked=False):
@@ -50,15 +51,7 @@ def random_parents(rng, bs, N, *, fill=None):
 
 def paged_cache(rng, bs, prefix_lens, N, *, page_size, D, dtype=np.float32, spare_pages=2):
     """A random paged cache with a shuffled block table covering ``prefix + N`` slots."""
-    need = [(int(p) + N + page_size - 1) // page_size for p in prefix_lens]
-    max_pages = max(need)
-    num_pages = sum(need) + spare_pages
-    perm = rng.permutation(num_pages).astype(np.int32)
-    table = np.full((bs, max_pages), -1, np.int32)
-    start = 0
-    for b in range(bs):
-        table[b, : need[b]] = perm[start : start + need[b]]
-        start += need[b]
-    table[table < 0] = perm[-1]          # unused entries: any valid page (never read)
+    table, num_pages = shuffled_block_table(rng, prefix_lens, N, page_size,
+                                            spare_pages=spare_pages)
     cache = rng.standard_normal((num_pages, page_size, D)).astype(dtype)
     return cache, table

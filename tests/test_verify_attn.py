@@ -51,14 +51,19 @@ def causal_attention(q_latent, q_rope, rows, visible, scale):
                                                                               keepdims=True)))[:, 0]
 
 
-def test_chain_equals_causal_attention():
-    rng = np.random.default_rng(1)
-    lp, ids = random_topk(rng, 1, 6, 1)                         # K = 1: a chain
-    P, N, H, Dc, Dr = 5, 7, 2, 8, 4
+def chain_problem(rng, P, N, H, Dc, Dr, page_size):
+    """A chain-shaped tree (K = 1) with its paged cache and queries."""
+    lp, ids = random_topk(rng, 1, N - 1, 1)
     tree = ref.build_tree(lp, ids, np.zeros(1, np.int32), N - 1)
-    cache, table = paged_cache(rng, 1, [P], N, page_size=3, D=Dc + Dr)
+    cache, table = paged_cache(rng, 1, [P], N, page_size=page_size, D=Dc + Dr)
     ql = rng.standard_normal((1, N, H, Dc)).astype(np.float32)
     qr = rng.standard_normal((1, N, H, Dr)).astype(np.float32)
+    return tree, cache, table, ql, qr
+
+
+def test_chain_equals_causal_attention():
+    P, N, H, Dc, Dr = 5, 7, 2, 8, 4
+    tree, cache, table, ql, qr = chain_problem(np.random.default_rng(1), P, N, H, Dc, Dr, 3)
     out, lse = ref.verify_attn(ql, qr, cache, table, np.array([P], np.int32),
                                tree.visibility_bits, tree.num_nodes, sm_scale=0.25)
     rows = ref.gather_slots(cache, table[0], P + N).astype(np.float64)
@@ -166,13 +171,8 @@ def test_kernel_matches_reference_small(seed, dtype):
 
 
 def test_kernel_chain_equals_causal_and_ancestor_only():
-    rng = np.random.default_rng(9)
-    lp, ids = random_topk(rng, 1, 5, 1)                         # K = 1: a chain
     P, N, H, Dc, Dr = 4, 6, 2, 8, 4
-    tree = ref.build_tree(lp, ids, np.zeros(1, np.int32), N - 1)
-    cache, table = paged_cache(rng, 1, [P], N, page_size=4, D=Dc + Dr)
-    ql = rng.standard_normal((1, N, H, Dc)).astype(np.float32)
-    qr = rng.standard_normal((1, N, H, Dr)).astype(np.float32)
+    tree, cache, table, ql, qr = chain_problem(np.random.default_rng(9), P, N, H, Dc, Dr, 4)
     prefix = np.array([P], np.int32)
     for variant in kernel_variants():
         out, _ = K.verify_attn(ql, qr, cache, table, prefix, tree.visibility_bits,
