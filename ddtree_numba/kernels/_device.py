@@ -126,8 +126,3 @@ def resolve_variant(variant, *, readable: str, fast: str) -> str:
         raise ValueError(f"variant: {fast!r} needs warp intrinsics, which the CUDA simulator "
                          f"lacks; use {readable!r}")
     return variant
-
-
-def blocks_for(n: int, threads: int) -> int:
-    """Blocks of ``threads`` threads that cover ``n`` items (at least 1)."""
-    return max(1, (n + threads - 1) // threads)
