@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched GPU session: the test suite on the device, then every benchmark.
 # Logs and CSVs go to $OUT (the device tool brings them back). Usage, from the repo root:
-#   bash benchmarks/run_gpu.sh [tests|bench|all]
+#   bash benchmarks/run_gpu.sh [all|tests|bench|profile|attn|small|step]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-benchmarks/results}
@@ -34,6 +34,14 @@ fi
 if [ "$what" = attn ] || [ "$what" = all ]; then
     (cd benchmarks && OUT="$OUT" timeout 400 python3 bench_verify_attn.py) 2>&1 \
         | tee "$OUT/bench_verify_attn.log" | tail -80
+fi
+if [ "$what" = step ] || [ "$what" = all ]; then
+    DDTREE_GPU=1 timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_greedy_step.py \
+        tests/test_toy_mla.py tests/test_device_ops.py 2>&1 | tee "$OUT/gpu_tests_step.log" | tail -8
+    timeout 240 python3 -m ddtree_numba demo --plot "$OUT/demo_tree.png" 2>&1 \
+        | tee "$OUT/demo_gpu.log" | tail -12
+    (cd benchmarks && OUT="$OUT" timeout 300 python3 bench_step.py) 2>&1 \
+        | tee "$OUT/bench_step.log" | tail -20
 fi
 if [ "$what" = small ]; then
     (cd benchmarks && OUT="$OUT" timeout 240 python3 bench_small_kernels.py) 2>&1 \

@@ -1,4 +1,5 @@
-"""Command line: ``python -m ddtree_numba demo`` (the main job) and ``... info``."""
+"""Command line: ``python -m ddtree_numba demo`` (the main job), ``info``, ``build-report``,
+``fixtures``."""
 
 from __future__ import annotations
 
@@ -56,14 +57,18 @@ def _dist_version(name: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ddtree_numba")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="greedy DDTree decoding of a toy target (main job)")
-    demo.add_argument("--bs", type=int, default=2)
-    demo.add_argument("--steps", type=int, default=6)
-    demo.add_argument("--depth", type=int, default=4, help="L, draft positions per step")
-    demo.add_argument("--topk", type=int, default=4, help="K, tokens kept per depth")
-    demo.add_argument("--budget", type=int, default=16, help="B, draft nodes per tree")
-    demo.add_argument("--confidence", type=float, default=3.0, help="drafter agreement knob")
+    demo = sub.add_parser("demo", help="greedy DDTree decoding of a toy MLA model, checked "
+                          "against the references and plain greedy decoding (the main job)")
+    demo.add_argument("--bs", type=int, help="requests (default: 2 simulated, 4 on a GPU)")
+    demo.add_argument("--steps", type=int, help="greedy steps (default: 6 / 12)")
+    demo.add_argument("--depth", type=int, help="L, draft positions per step (default: 4 / 8)")
+    demo.add_argument("--topk", type=int, help="K, tokens kept per depth (default: 3 / 8)")
+    demo.add_argument("--budget", type=int, help="B, draft nodes per tree (default: 12 / 64)")
+    demo.add_argument("--accuracy", type=float, default=0.8,
+                      help="how often the toy drafter's top guess is the target's token")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--plot", metavar="PATH", help="save the tree of the step with the "
+                      "longest accepted path, the path highlighted (PNG or SVG)")
     sub.add_parser("info", help="numba-cuda version, GPU or simulator")
     report = sub.add_parser("build-report", help="compile every kernel for a target GPU (no "
                             "GPU needed) and report registers, spills, shared memory, occupancy")
@@ -94,7 +99,7 @@ def main(argv=None) -> int:
 
     print(f"ddtree_numba demo on the {backend}\n")
     run_demo(bs=args.bs, steps=args.steps, L=args.depth, k=args.topk, budget=args.budget,
-             confidence=args.confidence, seed=args.seed)
+             accuracy=args.accuracy, seed=args.seed, plot=args.plot)
     return 0
 
 

@@ -68,13 +68,18 @@ def parse_cc(text: str) -> tuple:
     return major, minor
 
 
-def kernel_specs() -> list:
-    """Every specialisation listed by a kernel module's ``build_specs()``."""
+def _kernel_modules() -> list:
+    """The modules that define kernels: every ``kernels/*`` module and ``device_ops``."""
     from . import kernels
 
+    names = [f"{kernels.__name__}.{info.name}" for info in pkgutil.iter_modules(kernels.__path__)]
+    return [importlib.import_module(name) for name in [*names, f"{__package__}.device_ops"]]
+
+
+def kernel_specs() -> list:
+    """Every specialisation listed by a kernel module's ``build_specs()``."""
     specs = []
-    for info in pkgutil.iter_modules(kernels.__path__):
-        module = importlib.import_module(f"{kernels.__name__}.{info.name}")
+    for module in _kernel_modules():
         if hasattr(module, "build_specs"):
             specs += module.build_specs()
     return specs
@@ -84,12 +89,9 @@ def unlisted_kernels(specs) -> list:
     """Module-level ``@cuda.jit`` kernels that no spec lists (they would escape the report)."""
     from numba.cuda.dispatcher import CUDADispatcher
 
-    from . import kernels
-
     listed = {id(s.kernel) for s in specs}
     missing = []
-    for info in pkgutil.iter_modules(kernels.__path__):
-        module = importlib.import_module(f"{kernels.__name__}.{info.name}")
+    for module in _kernel_modules():
         for name, value in vars(module).items():
             is_kernel = isinstance(value, CUDADispatcher) and not value.targetoptions.get("device")
             if is_kernel and id(value) not in listed:

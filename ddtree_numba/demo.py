@@ -1,84 +1,202 @@
-"""The main job: greedy DDTree decoding of a toy target, reference and kernels side by side.
+"""The main job: greedy DDTree decoding of the toy MLA model, on the device, checked end to end.
 
-Per step and request: the drafter's logits -> draft top-K -> best-first tree -> the target's
-predictions at every node -> greedy accept -> KV commit. The reference (numpy) pipeline and the
-kernel pipeline run on the same inputs, and the demo checks that (1) every kernel output equals
-the reference's and (2) the speculative output equals the target's plain greedy decoding.
+``python -m ddtree_numba demo`` runs :func:`run_demo`. It decodes a few requests with
+:class:`~ddtree_numba.GreedyStep` (drafter -> draft_topk -> build_tree -> the toy target's
+absorbed MLA forward with ``verify_attn`` -> argmax -> tree_accept -> commit_kv, all on the
+device) and checks three things:
+
+1. at every step, the device step equals the numpy reference step
+   (:func:`ddtree_numba.reference.greedy_step` around the plain-form model) on the same drafter
+   logits: the same tree, the same accepted path, the same committed cache rows (within the
+   float32-vs-float64 bound of the forward);
+2. the speculative output equals the target's plain greedy decoding, token for token;
+3. on a GPU, the CUDA-graph mode emits exactly the tokens of the eager mode, and how long a
+   step takes in each.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import kernels as K
 from . import reference as ref
-from .toy import BigramTarget, noisy_drafter_logits
+from .step import GreedyStep
+from .toy_mla import ToyMLA, ToyMLAConfig
+from .toy_mla_device import DeviceToyMLA, ToyDrafter
+
+CACHE_RTOL = 2e-4       # committed cache rows, device float32 vs reference float64
 
 
-def _format_tree(tree, b: int) -> str:
-    n = int(tree.num_nodes[b])
-    depth = int(tree.depths[b, :n].max())
-    return f"{n - 1} draft nodes, depth {depth}"
+@dataclass(frozen=True)
+class DemoSizes:
+    bs: int
+    steps: int
+    L: int
+    K: int
+    budget: int
+    config: ToyMLAConfig
 
 
-def run_demo(*, bs=2, steps=6, L=4, k=4, budget=16, vocab=64, confidence=3.0, page_size=16,
-             seed=0, out=print) -> dict:
-    """Decode ``steps`` greedy DDTree steps for ``bs`` requests; return a summary dict."""
-    rng = np.random.default_rng(seed)
-    N = budget + 1
-    target = BigramTarget(vocab=vocab, row_width=8, seed=seed)
-    max_len = 1 + steps * (L + 1) + N
-    pages = (max_len + page_size - 1) // page_size
-    block_table = rng.permutation(bs * pages).astype(np.int32).reshape(bs, pages)
-    cache_ref = np.zeros((bs * pages, page_size, 8), np.float32)
-    cache_dev = K.as_device(cache_ref)
-    roots = rng.integers(0, vocab, bs).astype(np.int32)
-    start = roots.copy()
-    prefix = np.zeros(bs, np.int32)
-    emitted = [[] for _ in range(bs)]
-    accepted = []
-    t0 = time.perf_counter()
-    for step in range(steps):
-        logits = noisy_drafter_logits(target, roots, L, confidence=confidence, rng=rng)
-        # the reference step
-        res = ref.greedy_step(logits, roots, target.forward, cache_ref, block_table, prefix,
-                              k=k, budget=budget)
-        # the kernel step (the toy target runs on the host between kernels for now)
-        lp, ids = K.draft_topk(logits, k)
-        tree = K.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
-        cache_host = cache_dev.copy_to_host()
-        predict = target.forward(tree, cache_host, block_table, prefix)
-        cache_dev = K.as_device(cache_host)
-        acc = K.tree_accept(tree.token_ids, tree.next_token, tree.next_sibling, predict)
-        new_prefix = K.commit_kv(cache_dev, block_table, prefix, acc.accept_nodes,
-                                 acc.accept_len, check=True).copy_to_host()
-        tree_h, acc_h = tree.to_host(), acc.to_host()
-        same = (np.array_equal(tree_h.parents, res.tree.parents)
-                and np.array_equal(tree_h.token_ids, res.tree.token_ids)
-                and np.array_equal(acc_h.accept_tokens, res.accept.accept_tokens)
-                and np.array_equal(new_prefix, res.prefix_lens)
-                and np.array_equal(cache_dev.copy_to_host(), cache_ref))
+def default_sizes(on_gpu: bool) -> DemoSizes:
+    """Tiny on the simulator (the demo then takes well under a minute), larger on a GPU."""
+    if on_gpu:
+        return DemoSizes(bs=4, steps=12, L=8, K=8, budget=64, config=ToyMLAConfig.gpu())
+    return DemoSizes(bs=2, steps=6, L=4, K=3, budget=12, config=ToyMLAConfig.tiny())
+
+
+def graph_mode_available() -> bool:
+    if K.SIMULATOR:
+        return False
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_step(model: ToyMLA, continuation, sizes: DemoSizes, *, mode: str, accuracy: float,
+               seed: int) -> GreedyStep:
+    """A GreedyStep around fresh device copies of the toy target and drafter."""
+    drafter = ToyDrafter(continuation, vocab=model.config.vocab, accuracy=accuracy, seed=seed)
+    return GreedyStep(DeviceToyMLA(model), drafter, bs=sizes.bs, L=sizes.L, K=sizes.K,
+                      budget=sizes.budget, max_steps=sizes.steps, mode=mode, seed=seed)
+
+
+def _committed_rows(cache, table, prefix_lens, page_size):
+    """``[layers, sum(P), D]``: every committed row, request by request."""
+    rows = []
+    for b, P in enumerate(prefix_lens):
+        slots = np.arange(int(P))
+        rows.append(cache[:, table[b, slots // page_size], slots % page_size])
+    return np.concatenate(rows, axis=1)
+
+
+def checked_run(step: GreedyStep, model: ToyMLA, starts, *, out=print) -> dict:
+    """Decode ``step.max_steps`` steps, checking each against the reference step."""
+    table = step.block_table.copy_to_host()
+    cache_ref = np.zeros(step.target.kv_cache.shape, np.float32)
+    page_size = cache_ref.shape[2]
+    roots, prefix = np.asarray(starts, np.int32).copy(), np.zeros(step.bs, np.int32)
+    step.start(starts)
+    history = []
+    for s in range(step.max_steps):
+        step()
+        got = step.last_step()
+        want = ref.greedy_step(got["draft_logits"], roots, model.forward_tree, cache_ref, table,
+                               prefix, k=step.K, budget=step.budget)
+        tree, accept = got["tree"], got["accept"]
+        same = (np.array_equal(tree.parents, want.tree.parents)
+                and np.array_equal(tree.token_ids, want.tree.token_ids)
+                and np.array_equal(got["target_predict"], want.target_predict)
+                and np.array_equal(accept.accept_nodes, want.accept.accept_nodes)
+                and np.array_equal(accept.accept_tokens, want.accept.accept_tokens)
+                and np.array_equal(got["prefix_lens"], want.prefix_lens))
         if not same:
-            raise AssertionError(f"step {step}: the kernels disagree with the reference")
-        for b in range(bs):
-            kb = int(res.accept.accept_len[b])
-            new = res.accept.accept_tokens[b, : kb + 1].tolist()
-            emitted[b] += new
-            accepted.append(kb)
-            out(f"step {step} req {b}: tree {_format_tree(res.tree, b)}; accepted {kb} "
-                f"(path {res.accept.accept_nodes[b, : kb + 1].tolist()}) -> tokens {new}")
-        roots = res.accept.bonus_token.copy()
-        prefix = res.prefix_lens
+            raise AssertionError(f"step {s}: the device step disagrees with the reference")
+        cache_dev = _committed_rows(step.target.kv_cache.copy_to_host(), table, want.prefix_lens,
+                                    page_size)
+        cache_want = _committed_rows(cache_ref, table, want.prefix_lens, page_size)
+        scale = np.abs(cache_want).max()
+        if np.abs(cache_dev - cache_want).max() > CACHE_RTOL * scale:
+            raise AssertionError(f"step {s}: committed cache rows differ from the reference")
+        for b in range(step.bs):
+            k = int(accept.accept_len[b])
+            n = int(tree.num_nodes[b])
+            out(f"step {s} req {b}: tree {n - 1:3d} nodes, depth {int(tree.depths[b, :n].max())}; "
+                f"accepted {k} (path {accept.accept_nodes[b, : k + 1].tolist()}) -> tokens "
+                f"{accept.accept_tokens[b, : k + 1].tolist()}")
+        history.append({"tree": tree, "accept": accept})
+        roots, prefix = want.accept.bonus_token.copy(), want.prefix_lens
+    return {"tokens": step.tokens(), "history": history}
+
+
+def timed_run(step: GreedyStep, starts) -> dict:
+    """Host time per ``step()`` call and wall time per step (one synchronisation at the end)."""
+    step.start(starts)
+    step.synchronize()
+    host = []
+    t0 = time.perf_counter()
+    for _ in range(step.max_steps):
+        t = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - t)
+    step.synchronize()
+    wall = (time.perf_counter() - t0) / step.max_steps
+    return {"tokens": step.tokens(), "host_us": 1e6 * float(np.median(host)),
+            "wall_us": 1e6 * wall}
+
+
+def run_demo(*, bs=None, steps=None, L=None, k=None, budget=None, accuracy: float = 0.8,
+             seed: int = 0, plot: str | None = None, out=print) -> dict:
+    """Decode with the toy MLA target and check the result (see the module docstring)."""
+    base = default_sizes(not K.SIMULATOR)
+    sizes = DemoSizes(bs=bs or base.bs, steps=steps or base.steps, L=L or base.L,
+                      K=k or base.K, budget=base.budget if budget is None else budget,
+                      config=base.config)
+    model = ToyMLA(sizes.config)
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, sizes.config.vocab, sizes.bs).astype(np.int32)
+    length = sizes.steps * (min(sizes.L, sizes.budget) + 1)
+    t0 = time.perf_counter()
+    greedy = np.array([model.greedy(int(s), length) for s in starts], np.int32)
+    continuation = np.concatenate([starts[:, None], greedy], axis=1)
+    out(f"toy MLA target: {sizes.config.layers} layers, {sizes.config.heads} heads, "
+        f"Dc {sizes.config.kv_lora_rank}, Dr {sizes.config.qk_rope_dim}, vocab "
+        f"{sizes.config.vocab}; bs {sizes.bs}, L {sizes.L}, K {sizes.K}, budget "
+        f"{sizes.budget}; drafter accuracy {accuracy}\n")
+
+    step = build_step(model, continuation, sizes, mode="eager", accuracy=accuracy, seed=seed)
+    checked = checked_run(step, model, starts, out=out)
     seconds = time.perf_counter() - t0
-    lossless = all(emitted[b] == target.greedy(int(start[b]), len(emitted[b]))
-                   for b in range(bs))
-    mean_accept = float(np.mean(accepted)) + 1.0
-    out(f"\n{sum(map(len, emitted))} tokens in {steps} steps x {bs} requests; mean tokens per "
-        f"step {mean_accept:.2f} (accepted + bonus); {seconds:.2f} s "
-        f"({'CUDA simulator' if K.SIMULATOR else 'GPU'})")
-    out(f"kernels == reference at every step: True; output == plain greedy decoding: {lossless}")
+    tokens = checked["tokens"]
+    lossless = all(tokens[b] == greedy[b, : len(tokens[b])].tolist() for b in range(sizes.bs))
+    accepted = [int(h["accept"].accept_len[b]) for h in checked["history"]
+                for b in range(sizes.bs)]
+    out("")
+    for b in range(sizes.bs):
+        out(f"request {b}: start {starts[b]} -> {tokens[b]}")
+    mean_accept = float(np.mean(accepted))
+    out(f"\n{sum(map(len, tokens))} tokens in {sizes.steps} steps x {sizes.bs} requests: "
+        f"mean accepted length {mean_accept:.2f} draft tokens per step "
+        f"({mean_accept + 1:.2f} tokens per target forward, the bonus included); "
+        f"{seconds:.1f} s ({'CUDA simulator' if K.SIMULATOR else 'GPU'}, reference checks "
+        f"included)")
+    summary = {"tokens": tokens, "mean_accept_len": mean_accept, "lossless": lossless,
+               "sizes": sizes}
+
+    if graph_mode_available():
+        timings = {}
+        for mode in ("eager", "graph"):
+            timed = timed_run(build_step(model, continuation, sizes, mode=mode,
+                                         accuracy=accuracy, seed=seed), starts)
+            timings[mode] = timed
+        same = all(timings[m]["tokens"] == tokens for m in timings)
+        out("time per step: " + "; ".join(
+            f"{m} {t['host_us']:.0f} us host, {t['wall_us']:.0f} us wall"
+            for m, t in timings.items()))
+        out(f"graph == eager, token for token: {same}")
+        summary.update(timings=timings, graph_matches_eager=same)
+        if not same:
+            raise AssertionError("the CUDA-graph step emitted different tokens from eager")
+    else:
+        out("time per step: eager only here (CUDA graphs need a GPU and CuPy)")
+
+    if plot:
+        from .plot import draw_tree
+
+        s, b = max(((s, b) for s in range(sizes.steps) for b in range(sizes.bs)),
+                   key=lambda sb: int(checked["history"][sb[0]]["accept"].accept_len[sb[1]]))
+        h = checked["history"][s]
+        k = int(h["accept"].accept_len[b])
+        draw_tree(h["tree"], b, plot, accepted=h["accept"].accept_nodes[b, : k + 1],
+                  title=f"step {s}, request {b}: accepted path (orange) of {k} draft tokens")
+        out(f"saved the tree of step {s}, request {b} to {plot}")
+
+    out(f"device step == reference step at every step: True; output == plain greedy "
+        f"decoding: {lossless}")
     if not lossless:
         raise AssertionError("speculative output differs from plain greedy decoding")
-    return {"tokens": emitted, "mean_tokens_per_step": mean_accept, "lossless": lossless}
+    return summary

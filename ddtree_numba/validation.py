@@ -84,8 +84,8 @@ def array_info(name: str, a) -> ArrayInfo:
         return ArrayInfo(shape, dtype, True, contiguous)
     # numba's simulator arrays carry no CUDA array interface but behave like numpy arrays.
     if type(a).__name__ == "FakeCUDAArray":
-        host = a.copy_to_host()
-        return ArrayInfo(tuple(host.shape), host.dtype, True, True)
+        host = a._ary                               # the numpy array it wraps (no copy)
+        return ArrayInfo(tuple(host.shape), host.dtype, True, bool(host.flags.c_contiguous))
     raise TypeError(
         f"{name}: expected a numpy array or a CUDA device array, got {type(a).__name__}"
     )

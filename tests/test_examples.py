@@ -25,3 +25,6 @@ def test_example_runs_and_checks_itself(script, tmp_path):
     assert "DIFFERS" not in done.stdout
     if script.startswith("02"):
         assert (tmp_path / "tree.png").stat().st_size > 10_000
+    if script.startswith("06"):
+        assert (tmp_path / "accepted_path.png").stat().st_size > 10_000
+        assert "speculative output == plain greedy decoding: matches the reference" in done.stdout

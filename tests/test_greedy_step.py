@@ -1,11 +1,21 @@
-"""The reference greedy step end to end on the bigram toy, and the demo (kernels vs reference)."""
+"""Greedy DDTree decoding end to end: the reference step, GreedyStep on the device (eager and
+CUDA graph), the composition of the kernels without host round trips, and the demo.
+
+The decisive property: greedy speculative decoding emits exactly the tokens of the target's
+plain greedy decoding (``ToyMLA.greedy``, one token per forward, numpy float64), for any
+drafter, budget and batch.
+"""
 
 import numpy as np
 import pytest
 
+from ddtree_numba import GreedyStep
+from ddtree_numba import kernels as K
 from ddtree_numba import reference as ref
-from ddtree_numba.demo import run_demo
+from ddtree_numba.demo import DemoSizes, build_step, checked_run, run_demo
 from ddtree_numba.toy import BigramTarget, noisy_drafter_logits
+from ddtree_numba.toy_mla import ToyMLA, ToyMLAConfig
+from ddtree_numba.toy_mla_device import DeviceToyMLA, ToyDrafter
 
 
 @pytest.mark.parametrize("budget", [0, 1, 16, 64])
@@ -38,16 +48,173 @@ def test_reference_step_is_lossless(budget, confidence):
             np.testing.assert_array_equal(row, target.cache_row(tok, pos))
 
 
-def test_confident_drafter_accepts_more():
-    low = run_demo(bs=1, steps=3, L=4, k=2, budget=8, confidence=0.0, seed=3, out=lambda s: None)
-    high = run_demo(bs=1, steps=3, L=4, k=2, budget=8, confidence=20.0, seed=3,
-                    out=lambda s: None)
-    assert high["mean_tokens_per_step"] == 5.0          # every draft accepted: L + 1 per step
-    assert low["mean_tokens_per_step"] < high["mean_tokens_per_step"]
+# -- GreedyStep ------------------------------------------------------------------------------
+
+def setup(config, *, bs, steps, L, k, budget, accuracy, seed, mode="eager"):
+    model = ToyMLA(config)
+    starts = np.random.default_rng(seed).integers(0, config.vocab, bs).astype(np.int32)
+    length = steps * (min(L, budget) + 1)
+    greedy = np.array([model.greedy(int(s), length) for s in starts], np.int32)
+    continuation = np.concatenate([starts[:, None], greedy], axis=1)
+    sizes = DemoSizes(bs=bs, steps=steps, L=L, K=k, budget=budget, config=config)
+    step = build_step(model, continuation, sizes, mode=mode, accuracy=accuracy, seed=seed)
+    return model, step, starts, greedy
 
 
-def test_demo_kernels_match_reference_and_are_lossless():
+def decode(step, starts):
+    step.start(starts)
+    accepted = []
+    for _ in range(step.max_steps):
+        step()
+        accepted.append(step.last_step()["accept"].accept_len)
+    return step.tokens(), np.array(accepted)
+
+
+TINY = ToyMLAConfig.tiny(layers=1)
+
+
+@pytest.mark.parametrize("budget", [0, 1, 16])
+@pytest.mark.parametrize("accuracy", [0.3, 1.0])
+@pytest.mark.parametrize("bs", [1, 3])
+def test_greedy_step_is_lossless(budget, accuracy, bs):
+    L, steps = 3, 3
+    _, step, starts, greedy = setup(TINY, bs=bs, steps=steps, L=L, k=2, budget=budget,
+                                    accuracy=accuracy, seed=budget + bs)
+    tokens, accepted = decode(step, starts)
+    for b in range(bs):
+        assert tokens[b] == greedy[b, : len(tokens[b])].tolist()
+        assert len(tokens[b]) == steps + accepted[:, b].sum()
+    if budget == 0:
+        assert (accepted == 0).all()                    # plain greedy: one token per step
+    if accuracy == 1.0 and budget >= L:
+        assert (accepted == L).all()                    # a perfect drafter: L + 1 per step
+
+
+def test_greedy_step_is_lossless_at_budget_64_and_ragged_batch():
+    _, step, starts, greedy = setup(TINY, bs=2, steps=2, L=6, k=4, budget=64, accuracy=0.7,
+                                    seed=11)
+    tokens, accepted = decode(step, starts)
+    for b in range(2):
+        assert tokens[b] == greedy[b, : len(tokens[b])].tolist()
+
+
+def test_device_step_equals_reference_step_every_step():
+    """The composition: build_tree's device outputs feed the target forward (verify_attn),
+    argmax, tree_accept and commit_kv; each step is checked against the numpy reference step
+    (same tree, predictions, path, prefix lengths, committed cache rows)."""
+    model, step, starts, greedy = setup(ToyMLAConfig.tiny(), bs=3, steps=3, L=4, k=3,
+                                        budget=12, accuracy=0.7, seed=4)
+    run = checked_run(step, model, starts, out=lambda line: None)
+    for b in range(3):
+        assert run["tokens"][b] == greedy[b, : len(run["tokens"][b])].tolist()
+
+
+def test_step_makes_no_host_transfer(monkeypatch):
+    """Inside a step nothing is copied between host and device (so nothing synchronises)."""
+    _, step, starts, _ = setup(TINY, bs=2, steps=2, L=3, k=2, budget=8, accuracy=0.8, seed=2)
+    step.start(starts)
+    from numba import cuda
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host transfer inside a step")
+
+    array_type = type(step.prefix_lens)
+    monkeypatch.setattr(cuda, "to_device", forbidden)
+    monkeypatch.setattr(array_type, "copy_to_host", forbidden)
+    monkeypatch.setattr(array_type, "copy_to_device", forbidden)
+    step()
+    monkeypatch.undo()
+    assert len(step.tokens()[0]) >= 1
+
+
+def test_greedy_step_errors_are_clear():
+    model = ToyMLA(TINY)
+    drafter = ToyDrafter(np.zeros((2, 40), np.int32), vocab=TINY.vocab)
+
+    def make(**kwargs):
+        args = {"bs": 2, "L": 3, "K": 2, "budget": 4, "max_steps": 2, **kwargs}
+        return GreedyStep(DeviceToyMLA(model), drafter, **args)
+
+    with pytest.raises(ValueError, match="bs"):
+        make(bs=0)
+    with pytest.raises(ValueError, match="budget"):
+        make(budget=-1)
+    with pytest.raises(ValueError, match="mode"):
+        make(mode="fast")
+    if K.SIMULATOR:
+        with pytest.raises(ValueError, match="graph"):
+            make(mode="graph")
+    with pytest.raises(ValueError, match="drafter.vocab"):
+        GreedyStep(DeviceToyMLA(model), ToyDrafter(np.zeros((2, 40), np.int32), vocab=9),
+                   bs=2, L=3, K=2, budget=4, max_steps=2)
+    with pytest.raises(ValueError, match="continuation"):
+        make(bs=3)
+    with pytest.raises(ValueError, match="accuracy"):
+        ToyDrafter(np.zeros((2, 40), np.int32), vocab=TINY.vocab, accuracy=1.5)
+    step = make()
+    with pytest.raises(RuntimeError, match="start"):
+        step()
+    with pytest.raises(ValueError, match="root_token_ids"):
+        step.start(np.array([0, TINY.vocab], np.int32))
+    with pytest.raises(ValueError, match="root_token_ids"):
+        step.start(np.array([0, 1, 2], np.int32))
+    step.start(np.array([1, 2], np.int32))
+    step()
+    step()
+    with pytest.raises(RuntimeError, match="max_steps"):
+        step()
+
+
+# -- on the GPU: a larger toy, budgets to 256, eager and graph --------------------------------
+
+GPU_TOY = ToyMLAConfig.gpu(vocab=1024)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("budget", [0, 1, 16, 64, 256])
+@pytest.mark.parametrize("bs", [1, 8])
+def test_gpu_lossless_and_graph_equals_eager(budget, bs):
+    runs = {}
+    for mode in ("eager", "graph"):
+        _, step, starts, greedy = setup(GPU_TOY, bs=bs, steps=4, L=8, k=8, budget=budget,
+                                        accuracy=0.7, seed=budget + bs, mode=mode)
+        tokens, accepted = decode(step, starts)
+        for b in range(bs):
+            assert tokens[b] == greedy[b, : len(tokens[b])].tolist(), (mode, b)
+        runs[mode] = (tokens, accepted, step.target.kv_cache.copy_to_host(),
+                      step.last_step()["tree"].parents)
+    eager, graph = runs["eager"], runs["graph"]
+    assert eager[0] == graph[0]
+    np.testing.assert_array_equal(eager[1], graph[1])
+    np.testing.assert_array_equal(eager[3], graph[3])
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_after_restart_is_identical():
+    _, step, starts, greedy = setup(GPU_TOY, bs=4, steps=3, L=8, k=8, budget=64,
+                                    accuracy=0.8, seed=3, mode="graph")
+    first, _ = decode(step, starts)
+    second, _ = decode(step, starts)                 # start() again: same graph, same state
+    assert first == second
+
+
+# -- the demo (the main job) ------------------------------------------------------------------
+
+def test_demo_checks_itself_and_draws_the_accepted_path(tmp_path):
     lines = []
-    summary = run_demo(bs=2, steps=3, out=lines.append)
+    plot = tmp_path / "tree.png"
+    summary = run_demo(bs=2, steps=2, plot=str(plot), out=lines.append)
     assert summary["lossless"]
-    assert "kernels == reference at every step: True" in lines[-1]
+    assert lines[-1] == ("device step == reference step at every step: True; output == plain "
+                         "greedy decoding: True")
+    assert plot.stat().st_size > 10_000
+
+
+def test_more_accurate_drafter_accepts_more():
+    # L 4, K 2, budget 16: the drafter's top-1 chain always fits in the tree, so a drafter
+    # whose top token is always right gets every draft accepted
+    sizes = {"bs": 1, "steps": 3, "L": 4, "k": 2, "budget": 16, "seed": 3, "out": lambda s: None}
+    low = run_demo(accuracy=0.0, **sizes)
+    high = run_demo(accuracy=1.0, **sizes)
+    assert high["mean_accept_len"] == 4
+    assert low["mean_accept_len"] < high["mean_accept_len"]

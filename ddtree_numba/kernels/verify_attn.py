@@ -23,7 +23,7 @@ simple and slow (the tiled variant reads it once per 32 rows).
 Variant ``"tiled"`` (fast; GPU). The ``N * H`` query rows of a request are flattened
 (``row = i * H + h``) and cut into tiles of ``BM = 32`` rows; the slots ``[0, P + N)`` are cut into
 ``splits`` contiguous ranges (flash-decoding: enough blocks to fill the GPU even at bs = 1; the
-count minimises the partial last wave, :func:`choose_splits`). Grid ``(splits, ceil(N H / 32),
+count minimises the partial last wave, ``choose_splits``). Grid ``(splits, ceil(N H / 32),
 bs)``, 256 threads = 8 warps, and warp ``w`` owns query rows ``4 w .. 4 w + 3`` in every phase.
 For each tile of ``BN = 64`` slots:
 

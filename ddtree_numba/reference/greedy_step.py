@@ -55,6 +55,8 @@ def greedy_step(draft_logits, root_token_ids, target_forward: TargetForward, kv_
         tree node (writing node ``j``'s KV row at slot ``P + j``) and returns its argmax.
     kv_cache, block_table, prefix_lens : numpy.ndarray
         The paged latent cache (updated in place), its block table and committed lengths.
+        ``kv_cache`` is one cache ``[num_pages, page_size, D]`` or one per layer,
+        ``[layers, num_pages, page_size, D]``, all committed along the same path.
     k : int
         Tokens kept per draft depth.
     budget : int
@@ -70,6 +72,8 @@ def greedy_step(draft_logits, root_token_ids, target_forward: TargetForward, kv_
                       prefix_lens=prefix_lens)
     target_predict = np.asarray(target_forward(tree, kv_cache, block_table, prefix_lens))
     accept = tree_accept(tree.token_ids, tree.next_token, tree.next_sibling, target_predict)
-    new_prefix_lens = commit_kv(kv_cache, block_table, prefix_lens, accept.accept_nodes,
-                                accept.accept_len)
+    caches = kv_cache if np.ndim(kv_cache) == 4 else [kv_cache]
+    for cache in caches:
+        new_prefix_lens = commit_kv(cache, block_table, prefix_lens, accept.accept_nodes,
+                                    accept.accept_len)
     return StepOutput(tree, target_predict, accept, new_prefix_lens)

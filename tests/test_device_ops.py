@@ -1,0 +1,160 @@
+"""Each kernel of ``device_ops.KernelOps`` against its numpy twin in ``HostOps``.
+
+The twins run on numpy arrays; the kernels on device arrays (the simulator in CI, the GPU with
+``DDTREE_GPU=1``). Float results agree to float32 rounding (different summation orders: the
+bound is 1e-5 relative); integer results (embed, argmax, the drafter's hashing, advance) exactly.
+"""
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from ddtree_numba.contracts import AcceptResult
+from ddtree_numba.device_ops import HostOps, KernelOps, rope_inv_freq
+
+RTOL = 1e-5
+
+
+def run_both(method, *args, outputs):
+    """Run ``method`` of both backends; ``outputs`` are the indices of the written arguments.
+
+    Returns ``[(want, got), ...]`` per output."""
+    host_args = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+    getattr(HostOps(), method)(*host_args)
+    dev_args = [cuda.to_device(a) if isinstance(a, np.ndarray) else a for a in args]
+    getattr(KernelOps(), method)(*dev_args)
+    return [(host_args[i], dev_args[i].copy_to_host()) for i in outputs]
+
+
+def close(want, got, rtol=RTOL):
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * max(1.0, np.abs(want).max()))
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(7)
+
+
+def test_embed_zeroes_padding_tokens(rng):
+    table = rng.standard_normal((10, 6)).astype(np.float32)
+    tokens = np.array([3, -1, 9, 0, -1], np.int32)
+    out = np.full((5, 6), np.nan, np.float32)
+    [(want, got)] = run_both("embed", tokens, table, out, outputs=[2])
+    np.testing.assert_array_equal(got, want)
+    assert (got[1] == 0).all() and (got[0] == table[3]).all()
+
+
+def test_rms_norm(rng):
+    x = rng.standard_normal((5, 37)).astype(np.float32)
+    w = rng.standard_normal(37).astype(np.float32)
+    [(want, got)] = run_both("rms_norm", x, w, np.empty_like(x), 1e-6, outputs=[2])
+    close(want, got)
+    rms = np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=1, keepdims=True) + 1e-6)
+    close(x / rms * w, got)
+
+
+@pytest.mark.parametrize("groups,residual", [(1, False), (2, True), (3, False)])
+def test_linear_grouped_with_residual(rng, groups, residual):
+    T, d_in, d_out = 19, 21, 18                     # not multiples of the 16 x 16 tile
+    x = rng.standard_normal((T, groups * d_in)).astype(np.float32)
+    w = rng.standard_normal((groups, d_in, d_out)).astype(np.float32)
+    out = rng.standard_normal((T, groups * d_out)).astype(np.float32)
+    args = (x, w, out, out) if residual else (x, w, out)
+    [(want, got)] = run_both("linear", *args, outputs=[2])
+    close(want, got)
+    exact = np.concatenate([x[:, g * d_in:(g + 1) * d_in].astype(np.float64) @ w[g]
+                            for g in range(groups)], axis=1)
+    close(exact + (out if residual else 0), got)
+
+
+def test_rope_rotates_pairs_per_head(rng):
+    x = rng.standard_normal((4, 3 * 8)).astype(np.float32)     # 3 heads of Dr = 8
+    positions = np.array([0, 5, 1000, -1], np.int32)
+    inv = rope_inv_freq(8, 10000.0)
+    [(want, got)] = run_both("rope", x, positions, inv, outputs=[0])
+    close(want, got)
+    np.testing.assert_array_equal(got[0], x[0])                 # position 0: identity
+    norms = np.linalg.norm(got.reshape(4, 3, 4, 2), axis=-1)    # rotation keeps pair norms
+    close(np.linalg.norm(x.reshape(4, 3, 4, 2), axis=-1), norms)
+
+
+def test_kv_write_fills_only_valid_nodes_at_their_slots(rng):
+    bs, N, Dc, Dr, page = 2, 4, 12, 6, 3
+    kv = rng.standard_normal((bs * N, Dc + Dr)).astype(np.float32)
+    norm = rng.standard_normal(Dc).astype(np.float32)
+    inv = rope_inv_freq(Dr, 10000.0)
+    num_nodes = np.array([4, 2], np.int32)
+    prefix = np.array([2, 0], np.int32)
+    positions = np.array([[2, 3, 3, 4], [0, 1, -1, -1]], np.int32)
+    table = np.array([[4, 1, 0], [2, 3, 5]], np.int32)
+    cache = np.full((6, page, Dc + Dr), 7.0, np.float32)
+    [(want, got)] = run_both("kv_write", kv, norm, inv, positions, num_nodes, prefix, table,
+                             cache, 1e-6, outputs=[7])
+    close(want, got)
+    written = np.zeros(got.shape[:2], bool)
+    for b in range(bs):
+        for j in range(num_nodes[b]):
+            s = prefix[b] + j
+            written[table[b, s // page], s % page] = True
+    assert (got[~written] == 7.0).all()                          # nothing else touched
+    assert not (got[written] == 7.0).all()
+
+
+def test_silu_mul(rng):
+    gate_up = rng.standard_normal((3, 10)).astype(np.float32)
+    [(want, got)] = run_both("silu_mul", gate_up, np.empty((3, 5), np.float32), outputs=[1])
+    close(want, got)
+
+
+def test_argmax_first_index_on_ties_and_minus_one_on_padding(rng):
+    bs, N, V = 2, 3, 300
+    logits = rng.standard_normal((bs * N, V)).astype(np.float32)
+    logits[0, [17, 250]] = 9.0                                   # a tie: the smaller id wins
+    logits[1, :] = -np.inf
+    logits[1, 299] = 0.0
+    predict = np.full((bs, N), 99, np.int32)
+    [(want, got)] = run_both("argmax", logits, np.array([3, 1], np.int32), predict,
+                             outputs=[2])
+    np.testing.assert_array_equal(got, want)
+    assert got[0, 0] == 17 and got[0, 1] == 299 and (got[1, 1:] == -1).all()
+
+
+@pytest.mark.parametrize("accuracy", [0.0, 0.6, 1.0])
+def test_draft_logits_follow_the_continuation(accuracy):
+    bs, L, V = 2, 3, 40
+    continuation = np.random.default_rng(1).integers(0, V, (bs, 12)).astype(np.int32)
+    prefix = np.array([0, 9], np.int32)             # request 1 runs past the continuation
+    logits = np.empty((bs, L, V), np.float32)
+    [(want, got)] = run_both("draft", continuation, prefix, 5, accuracy, 6.0, 1.0, logits,
+                             outputs=[6])
+    close(want, got, rtol=1e-6)
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+    top = got[0].argmax(-1)
+    truth = continuation[0, 1:1 + L]
+    if accuracy == 1.0:
+        np.testing.assert_array_equal(top, truth)
+    if accuracy == 0.0:
+        second = np.argsort(-got[0], axis=-1)[:, :2]
+        assert ((second == truth[:, None]).any(axis=1)).all()   # the runner-up bonus
+
+
+def test_advance_appends_tokens_and_moves_the_state():
+    accept = AcceptResult(accept_nodes=np.zeros((2, 4), np.int32),
+                          accept_len=np.array([2, 0], np.int32),
+                          accept_tokens=np.array([[5, 6, 7, -1], [9, -1, -1, -1]], np.int32),
+                          bonus_token=np.array([7, 9], np.int32))
+    new_prefix = np.array([13, 4], np.int32)
+    prefix, roots = np.array([10, 3], np.int32), np.array([1, 2], np.int32)
+    emitted, count = np.full((2, 8), -1, np.int32), np.array([1, 3], np.int32)
+    host = [a.copy() for a in (prefix, roots, emitted, count)]
+    HostOps().advance(accept, new_prefix, *host)
+    dev = [cuda.to_device(a) for a in (prefix, roots, emitted, count)]
+    dev_accept = AcceptResult(*(cuda.to_device(getattr(accept, f)) for f in
+                                ("accept_nodes", "accept_len", "accept_tokens", "bonus_token")))
+    KernelOps().advance(dev_accept, cuda.to_device(new_prefix), *dev)
+    for want, got in zip(host, dev, strict=True):
+        np.testing.assert_array_equal(got.copy_to_host(), want)
+    np.testing.assert_array_equal(host[0], new_prefix)
+    np.testing.assert_array_equal(host[1], [7, 9])
+    assert host[2][0, 1:4].tolist() == [5, 6, 7] and host[2][1, 3] == 9
+    np.testing.assert_array_equal(host[3], [4, 4])
