@@ -1,6 +1,7 @@
 """Sphinx configuration: Markdown pages through myst-parser; builds offline, strict (-W -n)."""
 
 import os
+import sys
 
 project = "ddtree_numba"
 author = "the ddtree_numba developers"
@@ -15,12 +16,28 @@ extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon",
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}   # .rst: the gallery
-exclude_patterns = ["_build", "auto_examples/*.ipynb", "auto_examples/*.py", "auto_examples/*.zip",
-                    "auto_examples/*.json"]
-html_theme = "alabaster"
-html_theme_options = {"description": "Greedy DDTree speculative decoding kernels in numba.cuda",
-                      "fixed_sidebar": True}
+exclude_patterns = ["_build", "_generated/*.md", "auto_examples/*.ipynb", "auto_examples/*.py",
+                    "auto_examples/*.zip", "auto_examples/*.json"]
+html_theme = "pydata_sphinx_theme"    # NumPy's, SciPy's, pandas' theme; assets bundled, offline
+html_title = "ddtree_numba"
+html_theme_options = {
+    "navigation_with_keys": False,
+    "show_toc_level": 2,
+    "header_links_before_dropdown": 7,
+    "secondary_sidebar_items": ["page-toc"],
+    "footer_start": ["copyright"],
+    "footer_end": [],
+}
+html_sidebars = {"**": []}              # one level of pages: the top bar lists them all
+highlight_language = "none"             # docstring literal blocks are pseudo-code, not Python
 html_static_path = []
+
+# Figures and tables generated from the code and the committed benchmark CSVs at every build
+# (docs/figures.py); nothing generated is committed, so nothing can go stale.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import figures  # noqa: E402
+
+figures.generate(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_generated"))
 
 autodoc_typehints = "none"          # types are in the numpy-style docstrings
 napoleon_numpy_docstring = True
@@ -29,7 +46,7 @@ napoleon_google_docstring = False
 # the docstrings' own words ("array", "optional", shapes) are not types either.
 nitpick_ignore_regex = [
     ("py:class", r"numpy\..*|numba\..*|array|device array|optional|callable|tuple|dict|"
-                 r"list|str|int|float|bool|object"),
+                 r"list|str|int|float|bool|object|sequence"),
 ]
 
 sphinx_gallery_conf = {
@@ -41,4 +58,5 @@ sphinx_gallery_conf = {
     "download_all_examples": False,
     "remove_config_comments": True,
     "abort_on_example_error": True,
+    "write_computation_times": False,        # those pages load jQuery / DataTables from CDNs
 }
