@@ -27,7 +27,6 @@ import cupy as cp
 import numpy as np
 from harness import Bench, print_table
 
-from ddtree_numba import kernels as K
 from ddtree_numba.demo import DemoSizes, build_step
 from ddtree_numba.toy_mla import ToyMLA, ToyMLAConfig
 
@@ -92,15 +91,9 @@ def stage_times(bench, step) -> dict:
         if name == "advance":
             continue            # appends tokens: replaying it would overrun the token buffer
         times[name] = 1e3 * bench.time_device(launch, reps=30, flush=False)["ms"]
-    target, c = step.target, step.target.config
-
     def attention():                    # the part of target_forward spent in verify_attn
-        for layer in range(c.layers):
-            K.verify_attn(target.q_latent.reshape(step.bs, step.N, c.heads, c.kv_lora_rank),
-                          target.q_rope.reshape(step.bs, step.N, c.heads, c.qk_rope_dim),
-                          target.kv_cache[layer], step.block_table, step.prefix_lens,
-                          step.tree.visibility_bits, step.tree.num_nodes, sm_scale=c.sm_scale,
-                          out=(target.o_latent, target.lse), workspace=target.workspace)
+        for layer in range(step.target.config.layers):
+            step.target.attend(layer, step.tree, step.block_table, step.prefix_lens)
 
     times["verify_attn_all_layers"] = 1e3 * bench.time_device(attention, reps=30,
                                                               flush=False)["ms"]

@@ -8,8 +8,9 @@
   ``confidence`` on the target's own continuation of the root, plus Gaussian noise. A higher
   ``confidence`` means a drafter that agrees with the target more often.
 
-The toy MLA decoder of the later greedy-step work replaces the bigram target; this one keeps
-the reference step runnable end to end now.
+The greedy step's demo and tests use the toy MLA decoder (:mod:`ddtree_numba.toy_mla`); this
+bigram toy stays for the KDTR fixtures and the reference step's tests, where a target whose
+greedy output is known in closed form keeps the expected values obvious.
 """
 
 from __future__ import annotations

@@ -106,6 +106,16 @@ class DeviceToyMLA:
         """One ``[num_pages, page_size, Dc + Dr]`` cache per layer (views of ``kv_cache``)."""
         return [self.kv_cache[layer] for layer in range(self.config.layers)]
 
+    def attend(self, layer: int, tree, block_table, prefix_lens) -> None:
+        """Layer ``layer``'s attention: ``o_latent = verify_attn(q_latent, q_rope, cache)``."""
+        c = self.config
+        bs, N = self.sizes
+        K.verify_attn(self.q_latent.reshape(bs, N, c.heads, c.kv_lora_rank),
+                      self.q_rope.reshape(bs, N, c.heads, c.qk_rope_dim), self.kv_cache[layer],
+                      block_table, prefix_lens, tree.visibility_bits, tree.num_nodes,
+                      sm_scale=c.sm_scale, out=(self.o_latent, self.lse),
+                      workspace=self.workspace)
+
     def forward(self, tree, block_table, prefix_lens):
         """Logits ``float32[bs * N, V]`` at every node; writes each node's row of every layer
         at slot ``P + j``. No host synchronisation; every buffer is preallocated."""
@@ -124,11 +134,7 @@ class DeviceToyMLA:
             ops.linear(h, w["w_kv_a"], self.kv)
             ops.kv_write(self.kv, w["kv_norm"], self.inv_freq, tree.positions, tree.num_nodes,
                          prefix_lens, block_table, self.kv_cache[layer], RMS_EPS)
-            K.verify_attn(self.q_latent.reshape(bs, N, H, c.kv_lora_rank),
-                          self.q_rope.reshape(bs, N, H, c.qk_rope_dim), self.kv_cache[layer],
-                          block_table, prefix_lens, tree.visibility_bits, tree.num_nodes,
-                          sm_scale=c.sm_scale, out=(self.o_latent, self.lse),
-                          workspace=self.workspace)
+            self.attend(layer, tree, block_table, prefix_lens)
             ops.linear(self.o_latent.reshape(T, H * c.kv_lora_rank), w["w_uv"], self.o)
             ops.linear(self.o, w["w_o"], x, residual=x)                   # absorb W_UV, W_o
             ops.rms_norm(x, w["ffn_norm"], h, RMS_EPS)
