@@ -12,8 +12,8 @@ copyright = "2026, the ddtree_numba developers"
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon",
-              "sphinx_gallery.gen_gallery"]
-myst_enable_extensions = ["colon_fence", "deflist"]
+              "sphinx_gallery.gen_gallery", "sphinx-mathjax-offline"]   # MathJax served locally
+myst_enable_extensions = ["colon_fence", "deflist", "dollarmath", "amsmath"]
 myst_heading_anchors = 3
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}   # .rst: the gallery
 exclude_patterns = ["_build", "_generated/*.md", "auto_examples/*.ipynb", "auto_examples/*.py",
