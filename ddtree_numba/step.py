@@ -35,8 +35,9 @@ from numba import cuda
 
 from . import kernels
 from .device_ops import default_ops
+from .kernels.draft_topk import MAX_K
 from .paging import shuffled_block_table
-from .validation import require_int
+from .validation import MAX_DEPTH, MAX_NODES, require_int
 
 MODES = ("eager", "graph")
 
@@ -66,10 +67,11 @@ class GreedyStep:
     def __init__(self, target, drafter, *, bs: int, L: int, K: int, budget: int,
                  max_steps: int, page_size: int = 16, mode: str = "eager", ops=None,
                  seed: int = 0):
+        # the kernels' limits, checked here so that a bad size fails before any launch
         self.bs = require_int("bs", bs, low=1)
-        self.L = require_int("L", L, low=1)
-        self.K = require_int("K", K, low=1)
-        self.budget = require_int("budget", budget, low=0)
+        self.L = require_int("L", L, low=1, high=MAX_DEPTH)
+        self.K = require_int("K", K, low=1, high=min(MAX_K, target.vocab))
+        self.budget = require_int("budget", budget, low=0, high=MAX_NODES - 1)
         self.max_steps = require_int("max_steps", max_steps, low=1)
         page_size = require_int("page_size", page_size, low=1)
         if mode not in MODES:

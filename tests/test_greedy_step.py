@@ -139,6 +139,14 @@ def test_greedy_step_errors_are_clear():
         make(bs=0)
     with pytest.raises(ValueError, match="budget"):
         make(budget=-1)
+    with pytest.raises(ValueError, match="budget"):
+        make(budget=1056)                               # N = 1057 > the kernels' 1056
+    with pytest.raises(ValueError, match="L"):
+        make(L=65)
+    with pytest.raises(ValueError, match="K"):
+        make(K=TINY.vocab + 1)
+    with pytest.raises(TypeError, match="bs"):
+        make(bs=2.0)
     with pytest.raises(ValueError, match="mode"):
         make(mode="fast")
     if K.SIMULATOR:
