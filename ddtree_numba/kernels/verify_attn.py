@@ -12,6 +12,11 @@ shared by all heads). Rows ``i >= num_nodes[b]`` are padding: ``out = 0``, ``lse
 
 FLOPs counted by the benchmark: ``2 * bs * N * H * T * (Dc + Dr + Dc)`` for ``T = P + N`` slots
 (the score dot product over ``Dc + Dr`` and the weighted sum over ``Dc``; masked slots counted).
+Bytes: the cache holds ``T * (Dc + Dr) * itemsize`` per request (2.4 MB in float32 at P = 1024),
+read once from DRAM; the tiled variant then reads it ``ceil(N H / 32)`` times from L2 (each
+block stages its slots twice: 576 values per row for the scores, 512 for the weighted sum),
+plus its 32 query rows (``32 * (Dc + Dr) * 4`` bytes) once per slot tile. At bs = 1, N = 16,
+H = 128, P = 1024 that is 4.6 GFLOP against ~2.4 MB of DRAM traffic: compute-bound by far.
 
 Variant ``"readable"`` (one idea per step; runs on the simulator). One thread per query row
 ``(b, i, h)`` (blocks of 32), no shared memory and no barrier; the thread accumulates its
