@@ -38,10 +38,6 @@ from .device_ops import default_ops, rope_inv_freq
 from .toy_mla import RMS_EPS, ToyMLA
 
 
-def _device(a):
-    return cuda.to_device(np.ascontiguousarray(a))
-
-
 class DeviceToyMLA:
     """The toy model's absorbed-form forward on static device buffers (a GreedyStep target).
 
@@ -55,25 +51,25 @@ class DeviceToyMLA:
         self.ops = ops if ops is not None else default_ops()
         self.vocab = c.vocab
         H, dn, Dr = c.heads, c.qk_nope_dim, c.qk_rope_dim
-        self.embed = _device(model.embed)
-        self.final_norm = _device(model.final_norm)
-        self.lm_head = _device(model.lm_head[None])                     # [1, D, V]
-        self.inv_freq = _device(rope_inv_freq(Dr, c.rope_theta))       # float64 [Dr / 2]
+        self.embed = K.as_device(model.embed)
+        self.final_norm = K.as_device(model.final_norm)
+        self.lm_head = K.as_device(model.lm_head[None])                     # [1, D, V]
+        self.inv_freq = K.as_device(rope_inv_freq(Dr, c.rope_theta))       # float64 [Dr / 2]
         self.layers = []
         for w in model.layers:
             w_q = w.w_q.reshape(c.hidden, H, dn + Dr)
             self.layers.append({
-                "attn_norm": _device(w.attn_norm),
-                "w_q_nope": _device(w_q[..., :dn].reshape(1, c.hidden, H * dn)),
-                "w_q_rope": _device(w_q[..., dn:].reshape(1, c.hidden, H * Dr)),
-                "w_uk_t": _device(w.w_uk.transpose(0, 2, 1)),              # [H, dn, Dc]
-                "w_kv_a": _device(w.w_kv_a[None]),
-                "kv_norm": _device(w.kv_norm),
-                "w_uv": _device(w.w_uv),                                   # [H, Dc, dv]
-                "w_o": _device(w.w_o[None]),
-                "ffn_norm": _device(w.ffn_norm),
-                "w_gate_up": _device(w.w_gate_up[None]),
-                "w_down": _device(w.w_down[None]),
+                "attn_norm": K.as_device(w.attn_norm),
+                "w_q_nope": K.as_device(w_q[..., :dn].reshape(1, c.hidden, H * dn)),
+                "w_q_rope": K.as_device(w_q[..., dn:].reshape(1, c.hidden, H * Dr)),
+                "w_uk_t": K.as_device(w.w_uk.transpose(0, 2, 1)),              # [H, dn, Dc]
+                "w_kv_a": K.as_device(w.w_kv_a[None]),
+                "kv_norm": K.as_device(w.kv_norm),
+                "w_uv": K.as_device(w.w_uv),                                   # [H, Dc, dv]
+                "w_o": K.as_device(w.w_o[None]),
+                "ffn_norm": K.as_device(w.ffn_norm),
+                "w_gate_up": K.as_device(w.w_gate_up[None]),
+                "w_down": K.as_device(w.w_down[None]),
             })
         self.sizes = None
 
@@ -180,7 +176,7 @@ class ToyDrafter:
         if self.continuation.ndim != 2 or self.continuation.shape[0] != bs:
             raise ValueError(f"continuation: expected int32[{bs}, S], got shape "
                              f"{list(self.continuation.shape)}")
-        self.continuation_device = _device(self.continuation)
+        self.continuation_device = K.as_device(self.continuation)
         self.logits = cuda.device_array((bs, L, self.vocab), np.float32)
 
     def draft(self, root_token_ids, prefix_lens):
