@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched GPU session: the test suite on the device, then every benchmark.
 # Logs and CSVs go to $OUT (the device tool brings them back). Usage, from the repo root:
-#   bash benchmarks/run_gpu.sh [all|tests|bench|profile|attn|small|step]
+#   bash benchmarks/run_gpu.sh [all|tests|bench|profile|attn|attn-profile|small|step]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-benchmarks/results}
@@ -30,6 +30,21 @@ if [ "$what" = profile ] || [ "$what" = all ]; then
         grep -E "Duration|cycles_elapsed|Stall|stall|Warp Cycles|Elapsed Cycles" \
             "$OUT/ncu_$kernel.txt" | head -30
     done
+fi
+if [ "$what" = attn-profile ]; then   # the tiled verify_attn at bs 1, N 16, P 1024, H 128
+    (cd benchmarks && timeout 240 ncu --clock-control none --kernel-name regex:tiled \
+        --launch-skip 1 --launch-count 1 --section SpeedOfLight --section Occupancy \
+        --section LaunchStats --section WarpStateStats --section InstructionStats \
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+        --metrics smsp__inst_executed_pipe_fma.sum,smsp__inst_executed.sum,\
+sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,\
+l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,\
+l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__inst_executed_op_shared_ld.sum,\
+'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+        python3 profile_kernels.py --attention) > "$OUT/ncu_verify_attn.txt" 2>&1
+    grep -E "Duration|Registers|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|\
+Stall|Warp Cycles Per Issued|pipe_fma|inst_executed|bank_conflicts|wavefronts|Executed Ipc|Est. Local|stalled" \
+        "$OUT/ncu_verify_attn.txt" | grep -v " 0$" | head -60
 fi
 if [ "$what" = attn ] || [ "$what" = all ]; then
     (cd benchmarks && OUT="$OUT" timeout 400 python3 bench_verify_attn.py) 2>&1 \

@@ -73,7 +73,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import boolean, cuda, float32, uint32, uint64
+from numba import cuda, float32, uint32, uint64
+from numba.cuda import float32x4
 
 from ..validation import BFLOAT16, FLOAT16, check_verify_attn
 from ._device import SIMULATOR, as_device, device_empty, launch_stream, resolve_variant
@@ -82,20 +83,27 @@ from ._primitives import bits_to_float
 NEG_INF = float32(-np.inf)
 FULL_MASK = 0xFFFFFFFF
 READABLE_THREADS = 32
-BN = 64                 # slots per tile (2 per lane of a warp)
-DCHUNK = 32             # dims per staged chunk of the score product
-KPAD = DCHUNK + 1       # K chunk row stride: k_s[lane, dd] and k_s[lane + 32, dd] hit 32 banks
-VSLOTS = 8              # slots per staged latent sub-tile of the weighted sum (16 KB)
 TILED_THREADS = 256     # 8 warps
-ROWS_PER_WARP = 4       # query rows owned by each warp, in the score and the output phase
-BM = 8 * ROWS_PER_WARP  # query rows per block (32)
-COLS = 16               # output columns per thread: lane + 32 c, c < 16 (Dc <= 512)
-HALF_CHUNK = DCHUNK // 2  # bf16 pairs per K chunk row
-HALF_DC = 256             # bf16 pairs per latent row (MAX_DC / 2)
-ACC = 64                # ROWS_PER_WARP * COLS accumulators (local-array sizes must be literals)
-SCORES = 8              # ROWS_PER_WARP * 2 scores
-CREG = 16               # 2 * VSLOTS latent values per thread per sub-tile
+BM = 32                 # query rows per block
+QUADS = BM // 4         # row quads: 4 rows of P^T in one float32x4
+BN = 128                # slots per tile
+DCHUNK = 32             # dims per staged chunk of the score product
+GROUPS = DCHUNK // 4    # float32x4 vectors per chunk row
+ROW4 = GROUPS + 1       # Q / K / P^T row stride in vectors (36 words: conflict-free reads)
+VSLOTS = 8              # slots per staged latent sub-tile of the weighted sum (16 KB)
 MAX_DC = 512
+COL4 = MAX_DC // 4      # float32x4 vectors per latent row
+K_VECS = BN * ROW4      # K chunk (and then P^T), in vectors (shared shapes are literals)
+Q_VECS = BM * ROW4      # Q chunk, in vectors
+C_VECS = VSLOTS * COL4  # latent sub-tile, in vectors
+ACC = 64                # 4 rows x 16 columns of O per thread (local-array sizes are literals)
+SCORES = 16             # 4 rows x 4 slots of S per thread
+if SIMULATOR:   # the simulator has no vector element type: the tiled variant needs a GPU
+    F32X4 = None
+else:           # the element type of float32x4 arrays (float32x4 itself builds values)
+    from numba.cuda.vector_types import vector_types
+
+    F32X4 = vector_types["float32x4"]
 
 
 def _make_loader(kind: str):
@@ -207,6 +215,49 @@ def _make_readable_kernel(kind: str):
 # ------------------------------------------------------------------------------------------
 # Variant "tiled" (flash-decoding over slot splits) and the merge
 # ------------------------------------------------------------------------------------------
+@cuda.jit(device=True, inline=True)
+def _score_group(q_mine, k_mine, g, score):
+    """Dims ``4 g .. 4 g + 3`` of the staged chunk into this thread's 4 x 4 scores: four K
+    vectors (slots ``8 k``) and four Q vectors (rows ``4 r``) of its views feed 64 FMAs into
+    ``score[4 r + k]``. ``g`` is a literal at every call: every offset is a constant."""
+    for k in range(4):
+        kv = k_mine[8 * k * ROW4 + g]
+        for r in range(4):
+            qv = q_mine[4 * r * ROW4 + g]
+            acc = score[4 * r + k]          # one FMA per product (a single expression would
+            acc += qv.x * kv.x              # sum the 4 products first: 5 instructions, not 4)
+            acc += qv.y * kv.y
+            acc += qv.z * kv.z
+            acc += qv.w * kv.w
+            score[4 * r + k] = acc
+
+
+@cuda.jit(device=True, inline=True)
+def _weighted_slot(p_sub, c_mine, ss, acc):
+    """Slot ``ss`` of the staged sub-tile into this thread's 4 x 16 outputs: one P vector (the
+    4 rows of its quad) and four C vectors (its 16 columns) feed 64 FMAs;
+    ``acc[16 r + 4 j + e]`` is row ``r``, column ``e`` of vector ``j``."""
+    pv = p_sub[ss * ROW4]
+    for j in range(4):
+        cv = c_mine[ss * COL4 + 8 * j]
+        acc[4 * j] += pv.x * cv.x
+        acc[4 * j + 1] += pv.x * cv.y
+        acc[4 * j + 2] += pv.x * cv.z
+        acc[4 * j + 3] += pv.x * cv.w
+        acc[16 + 4 * j] += pv.y * cv.x
+        acc[16 + 4 * j + 1] += pv.y * cv.y
+        acc[16 + 4 * j + 2] += pv.y * cv.z
+        acc[16 + 4 * j + 3] += pv.y * cv.w
+        acc[32 + 4 * j] += pv.z * cv.x
+        acc[32 + 4 * j + 1] += pv.z * cv.y
+        acc[32 + 4 * j + 2] += pv.z * cv.z
+        acc[32 + 4 * j + 3] += pv.z * cv.w
+        acc[48 + 4 * j] += pv.w * cv.x
+        acc[48 + 4 * j + 1] += pv.w * cv.y
+        acc[48 + 4 * j + 2] += pv.w * cv.z
+        acc[48 + 4 * j + 3] += pv.w * cv.w
+
+
 def _make_tiled_kernel(kind: str):
     # "bfloat16x2": the cache viewed as uint32, two bfloat16 values per load (even widths)
     packed = kind == "bfloat16x2"
@@ -216,81 +267,41 @@ def _make_tiled_kernel(kind: str):
     # of the tile is computed once (slot_off), so a read is one add and one load (a 3-D signed
     # index costs numba ~20 instructions: 64-bit multiplies and negative-index wraparound).
     @cuda.jit(device=True, inline=True)
-    def fetch_k(flat, slot_off, t_valid, d0, D, warp, lane, kreg):
-        """Global -> registers: this thread's share of the K chunk ``[64 slots x 32 dims]``
-        at dims ``d0 ..``. Unpacked: slots ``warp + 8 j`` (j < 8), dim ``lane``; packed: slots
-        ``(tid // 16) + 16 j`` (j < 4), the bf16 pair ``2 (lane % 16)``."""
+    def fetch4(flat, row_off, ok, d, width):
+        """Values ``d .. d + 3`` of one cache row as a float32x4 (0 past ``width`` or if not
+        ``ok``). Packed bf16: ``d`` and ``width`` are even, so two 32-bit words hold them."""
         if packed:
-            pair = 2 * (lane % 16)
-            for j in range(4):
-                ss = (warp * 2 + lane // 16) + 16 * j
-                lo = hi = float32(0.0)
-                if ss < t_valid and d0 + pair < D:
-                    lo, hi = _unpack_bf16x2(flat[slot_off[ss] + uint64((d0 + pair) // 2)])
-                kreg[2 * j] = lo
-                kreg[2 * j + 1] = hi
-        else:
-            for j in range(8):
-                ss = warp + 8 * j
-                v = float32(0.0)
-                if ss < t_valid and d0 + lane < D:
-                    v = load(flat, slot_off[ss] + uint64(d0 + lane))
-                kreg[j] = v
+            half = row_off + (uint64(d) >> uint64(1))
+            lo0 = hi0 = lo1 = hi1 = float32(0.0)
+            if ok and d < width:
+                lo0, hi0 = _unpack_bf16x2(flat[half])
+            if ok and d + 2 < width:
+                lo1, hi1 = _unpack_bf16x2(flat[half + uint64(1)])
+            return float32x4(lo0, hi0, lo1, hi1)
+        v = cuda.local.array(4, float32)
+        for e in range(4):
+            v[e] = load(flat, row_off + uint64(d + e)) if ok and d + e < width else float32(0.0)
+        return float32x4(v[0], v[1], v[2], v[3])
 
     @cuda.jit(device=True, inline=True)
-    def store_k(k_s, warp, lane, kreg):
-        """Registers -> shared memory, the layout :func:`fetch_k` read."""
-        if packed:
-            pair = 2 * (lane % 16)
-            for j in range(4):
-                ss = (warp * 2 + lane // 16) + 16 * j
-                k_s[ss, pair] = kreg[2 * j]
-                k_s[ss, pair + 1] = kreg[2 * j + 1]
-        else:
-            for j in range(8):
-                k_s[warp + 8 * j, lane] = kreg[j]
+    def fetch_q4(ql_flat, qr_flat, off_l, off_r, ok, d, Dc, D):
+        """Dims ``d .. d + 3`` of one query row ``[q_latent | q_rope]`` as a float32x4."""
+        v = cuda.local.array(4, float32)
+        for e in range(4):
+            dd = d + e
+            x = float32(0.0)
+            if ok and dd < D:
+                x = ql_flat[off_l + uint64(dd)] if dd < Dc else qr_flat[off_r + uint64(dd - Dc)]
+            v[e] = x
+        return float32x4(v[0], v[1], v[2], v[3])
 
     @cuda.jit(device=True, inline=True)
-    def fetch_c(flat, slot_off, t_valid, sub, Dc, tid, creg):
-        """Global -> registers: this thread's share of the latent sub-tile ``[8 slots x 512]``
-        at slots ``sub ..``. Unpacked: slot ``j // 2``, column ``tid + 256 (j % 2)``; packed:
-        slot ``j``, the bf16 pair ``2 tid``."""
-        if packed:
-            for j in range(VSLOTS):
-                ss = sub + j
-                lo = hi = float32(0.0)
-                if ss < t_valid and 2 * tid < Dc:
-                    lo, hi = _unpack_bf16x2(flat[slot_off[ss] + uint64(tid)])
-                creg[2 * j] = lo
-                creg[2 * j + 1] = hi
-        else:
-            for j in range(2 * VSLOTS):
-                ss = sub + j // 2
-                cc = tid + TILED_THREADS * (j % 2)
-                v = float32(0.0)
-                if ss < t_valid and cc < Dc:
-                    v = load(flat, slot_off[ss] + uint64(cc))
-                creg[j] = v
-
-    @cuda.jit(device=True, inline=True)
-    def store_c(c_s, tid, creg):
-        if packed:
-            for j in range(VSLOTS):
-                c_s[j, 2 * tid] = creg[2 * j]
-                c_s[j, 2 * tid + 1] = creg[2 * j + 1]
-        else:
-            for j in range(2 * VSLOTS):
-                c_s[j // 2, tid + TILED_THREADS * (j % 2)] = creg[j]
-
-    @cuda.jit(device=True, inline=True)
-    def fetch_q(ql_flat, qr_flat, q_off_l, q_off_r, q_ok, d, Dc, D, qreg):
-        """Global -> registers: dim ``d`` of this thread's 4 query rows (latent, then rope)."""
+    def fetch_c(flat, slot_off, t_valid, sub, Dc, tid, c_next):
+        """Global -> registers: this thread's 4 vectors of the latent sub-tile at slots
+        ``sub ..``: slot ``sub + tid // 128 + 2 j``, columns ``4 (tid % 128) ..``."""
         for j in range(4):
-            v = float32(0.0)
-            if q_ok[j] and d < D:
-                v = ql_flat[q_off_l[j] + uint64(d)] if d < Dc else (
-                    qr_flat[q_off_r[j] + uint64(d - Dc)])
-            qreg[j] = v
+            ss = sub + tid // 128 + 2 * j
+            c_next[j] = fetch4(flat, slot_off[ss], ss < t_valid, 4 * (tid % 128), Dc)
 
     @cuda.jit
     def tiled_kernel(q_latent, q_rope, cache, block_table, prefix_lens, bits, num_nodes,
@@ -314,49 +325,77 @@ def _make_tiled_kernel(kind: str):
         t_begin = split * slots_per_split
         t_end = min(P + n, t_begin + slots_per_split)       # slots any valid row can see
 
-        q_s = cuda.shared.array((BM, DCHUNK), float32)      # Q chunk [32 rows x 32 dims]
-        k_s = cuda.shared.array((BN, KPAD), float32)        # K chunk [64 slots x 32 dims]
-        p_s = cuda.shared.array((BM, BN), float32)          # P tile  [32 rows x 64 slots]
-        c_s = cuda.shared.array((VSLOTS, MAX_DC), float32)  # C sub-tile [8 slots x 512]
-        slot_off = cuda.shared.array(BN, uint64)  # flat offset of each slot's row in the cache:
-        #                                           looked up once per tile, not per element
-        # Per-thread views: the hot loops index them with constants only (after unrolling),
-        # so every shared-memory read is base + immediate offset, with no index arithmetic
-        # (numba's 64-bit index math and negative-index wraparound otherwise cost several
-        # instructions per read).
-        k_mine = k_s[lane:]                     # k_mine[0 | 32, dd] = K[lane | lane + 32, dd]
-        q_mine = q_s[warp * ROWS_PER_WARP:]     # q_mine[r, dd] = Q[4 warp + r, dd]
-        p_mine = p_s[warp * ROWS_PER_WARP:]     # p_mine[r, t] = P[4 warp + r, t]
-        c_mine = c_s[:, lane:]                  # c_mine[ss, 32 c] = C[ss, lane + 32 c]
-        # registers (every loop over these is unrolled: constant indices, no local memory)
-        acc = cuda.local.array(ACC, float32)            # O[r, lane + 32 c] at r * COLS + c
-        score = cuda.local.array(SCORES, float32)       # S[r, lane + 32 k] at 2 r + k
-        m = cuda.local.array(ROWS_PER_WARP, float32)    # running max per row
-        l = cuda.local.array(ROWS_PER_WARP, float32)    # running sum per row
-        kreg = cuda.local.array(8, float32)             # next K chunk, in flight
-        qreg = cuda.local.array(4, float32)             # next Q chunk, in flight
-        creg = cuda.local.array(CREG, float32)          # next latent sub-tile, in flight
-        for r in range(ROWS_PER_WARP):
+        # Shared memory, all float32x4 (one 128-bit access moves 4 values). Rows of the Q, K
+        # and P^T tiles are 9 vectors (36 words) apart: the 4 or 8 rows a warp reads at once
+        # then start in different groups of 4 banks (no conflict). P^T and C are 1-D: numba
+        # keeps a view's shared-memory address space (and 128-bit loads) only for slices
+        # along the first axis.
+        q_s = cuda.shared.array(Q_VECS, F32X4, alignment=16)  # Q[row, 4g..] at row ROW4 + g
+        k_s = cuda.shared.array(K_VECS, F32X4, alignment=16)  # K[t, 4g..] at t ROW4 + g, then
+        #                                                       P^T[t, quad] at t ROW4 + quad
+        c_s = cuda.shared.array(C_VECS, F32X4, alignment=16)  # C[ss, 4 c4..] at ss COL4 + c4
+        alpha_s = cuda.shared.array(QUADS, F32X4, alignment=16)  # per-row factor
+        slot_off = cuda.shared.array(BN, uint64)  # flat offset of each slot's cache row
+
+        # Rows of the block are handled in "quads" of 4 (one float32x4 of P^T): quad q holds
+        # rows 16 (q // 4) + (q % 4) + 4 r, r < 4 (interleaved, so that a warp's Q reads hit
+        # different banks).
+        #
+        # Shared memory returns one 32-bit register per lane per cycle, so a 128-bit read costs
+        # 4 cycles (wavefronts) per warp, but 2 when lanes n and n ^ 1, or n and n ^ 2, read
+        # the same address (the return is packed). Each phase splits the lane into two
+        # coordinates: `a` (0..3) from lane bits 0 and 2, `b` (0..7) from bits 1, 3 and 4.
+        # Reads that depend on `b` only are shared by lanes n, n ^ 1; reads that depend on
+        # `a` only by lanes n, n ^ 2: every 128-bit read of the two products costs 2 cycles.
+        lane_a = (lane & 1) | ((lane >> 1) & 2)
+        lane_b = ((lane >> 1) & 1) | ((lane >> 2) & 6)
+        # Score phase: warp (wr, ws) = (warp // 4, warp % 4) computes rows 16 wr .. 16 wr + 15
+        # x slots 32 ws .. 32 ws + 31; lane (a, b) a 4 x 4 tile: quad 4 wr + a x slots
+        # 32 ws + b + 8 k.
+        score_quad = 4 * (warp // 4) + lane_a
+        q_mine = q_s[(16 * (warp // 4) + lane_a) * ROW4:]  # [4 r ROW4 + g]: row r of score_quad
+        k_mine = k_s[(32 * (warp % 4) + lane_b) * ROW4:]   # [8 k ROW4 + g]: slot 32 ws + b + 8 k
+        # Output phase: thread (quad, column group) keeps O[4 rows of quad, 16 columns] with
+        # quad = 4 (warp // 4) + a and columns 4 c4 .. 4 c4 + 3 for
+        # c4 = 32 (warp % 4) + b + 8 j, j < 4 (a warp reads 8 consecutive vectors).
+        out_quad = 4 * (warp // 4) + lane_a
+        col4 = 32 * (warp % 4) + lane_b
+        c_mine = c_s[col4:]                    # c_mine[ss COL4 + 8 j]: C[ss, vector j of mine]
+        p_mine = k_s[out_quad:]                # p_mine[t ROW4]: P^T[t, out_quad]
+        # Softmax: warp w owns quad w (its 4 rows' max and sum), lane holds slots lane + 32 k.
+        soft_rows = cuda.local.array(4, np.int64)
+        for r in range(4):
+            soft_rows[r] = row0 + 16 * (warp // 4) + warp % 4 + 4 * r
+
+        # registers (loops over these are unrolled: constant indices, no local memory)
+        acc = cuda.local.array(ACC, float32)    # O[row r of out_quad, col 4 c4_j + e] at 16r+4j+e
+        score = cuda.local.array(SCORES, float32)   # S[row r of score_quad, slot k] at 4 r + k
+        soft = cuda.local.array(SCORES, float32)    # softmax: row r, slot lane + 32 k at 4 r + k
+        m = cuda.local.array(4, float32)        # softmax: running max per row of quad `warp`
+        l = cuda.local.array(4, float32)        # softmax: running sum per row
+        alpha = cuda.local.array(4, float32)
+        for r in range(4):
             m[r] = NEG_INF
             l[r] = 0.0
-            for c in range(COLS):
-                acc[r * COLS + c] = 0.0
-        # the Q rows this thread stages (rows warp + 8 j, dim lane of each chunk): their flat
-        # offsets in q_latent [bs, N, H, Dc] and q_rope [bs, N, H, Dr] (row = node H + head)
-        q_off_l = cuda.local.array(4, uint64)
-        q_off_r = cuda.local.array(4, uint64)
-        q_ok = cuda.local.array(4, boolean)
-        for j in range(4):
-            qrow = row0 + warp + 8 * j
-            q_ok[j] = qrow < NH
-            flat_row = uint64(b * NH + min(qrow, NH - 1))
-            q_off_l[j] = flat_row * uint64(Dc)
-            q_off_r[j] = flat_row * uint64(Dr)
+        for i in range(ACC):
+            acc[i] = 0.0
+        # the Q vector this thread stages: row tid // 8, dims 4 (tid % 8) .. of each chunk
+        q_row = row0 + tid // 8
+        q_ok = q_row < NH
+        flat_row = uint64(b * NH + min(q_row, NH - 1))
+        q_off_l = flat_row * uint64(Dc)
+        q_off_r = flat_row * uint64(Dr)
+        stage_row = tid // 8                    # K rows tid // 8 + 32 j, j < 4
+        stage_dim = 4 * (tid % 8)
+        k_off = cuda.local.array(4, uint64)     # their flat offsets in the cache
+        k_ok = cuda.local.array(4, np.bool_)    # slot exists
+        k_next = cuda.local.array(4, F32X4)     # the next K chunk, in flight
+        c_next = cuda.local.array(4, F32X4)     # the next latent sub-tile, in flight
         row_width = uint64(flat.shape[0] // (cache.shape[0] * page_size))  # per flat row
 
         for t0 in range(t_begin, t_end, BN):
             t_valid = t_end - t0                # slots of this tile that exist
-            cuda.syncthreads()                  # the previous tile is done with slot tables
+            cuda.syncthreads()                  # the previous tile is done with slot_off and P
             if tid < BN:                        # 0. where each slot of the tile lives
                 t = min(t0 + tid, t_end - 1)
                 page = block_table[b, t // page_size]
@@ -366,39 +405,58 @@ def _make_tiled_kernel(kind: str):
                 score[k] = 0.0
             # 1. S = Q K^T over D dims, 32 at a time. Software pipeline: chunk c + 1 is fetched
             # into registers while chunk c is multiplied, so global latency hides behind math.
-            fetch_k(flat, slot_off, t_valid, 0, D, warp, lane, kreg)
-            fetch_q(ql_flat, qr_flat, q_off_l, q_off_r, q_ok, lane, Dc, D, qreg)
+            for j in range(4):
+                k_off[j] = slot_off[stage_row + 32 * j]
+                k_ok[j] = stage_row + 32 * j < t_valid
+                k_next[j] = fetch4(flat, k_off[j], k_ok[j], stage_dim, D)
+            q_next = fetch_q4(ql_flat, qr_flat, q_off_l, q_off_r, q_ok, stage_dim, Dc, D)
             for d0 in range(0, D, DCHUNK):
                 cuda.syncthreads()              # everyone is done with the previous chunk
-                store_k(k_s, warp, lane, kreg)
+                q_s[stage_row * ROW4 + tid % 8] = q_next
                 for j in range(4):
-                    q_s[warp + 8 * j, lane] = qreg[j]
+                    k_s[(stage_row + 32 * j) * ROW4 + tid % 8] = k_next[j]
                 cuda.syncthreads()              # chunk staged before the products
-                d1 = d0 + DCHUNK                # prefetch the next chunk (if any)
-                if d1 < D:
-                    fetch_k(flat, slot_off, t_valid, d1, D, warp, lane, kreg)
-                    fetch_q(ql_flat, qr_flat, q_off_l, q_off_r, q_ok, d1 + lane, Dc, D, qreg)
-                # each thread: 4 rows (its warp's) x 2 slots (lane, lane + 32); q reads are
-                # warp broadcasts, k reads hit 32 banks (row stride 33)
-                for dd in range(DCHUNK):        # constant indices into per-thread views
-                    k0 = k_mine[0, dd]
-                    k1 = k_mine[32, dd]
-                    for r in range(ROWS_PER_WARP):
-                        q = q_mine[r, dd]
-                        score[2 * r] += q * k0
-                        score[2 * r + 1] += q * k1
-            # 2. mask and scale; 3. online softmax. A row's 64 scores live in one warp
-            # (2 per lane), so its max and sum are warp reductions (5 shuffles each).
-            for r in range(ROWS_PER_WARP):
-                row = row0 + warp * ROWS_PER_WARP + r
+                d1 = d0 + DCHUNK + stage_dim    # prefetch the next chunk, if there is one (dims
+                if d0 + DCHUNK < D:             # past D read as 0: no stale values staged)
+                    for j in range(4):
+                        k_next[j] = fetch4(flat, k_off[j], k_ok[j], d1, D)
+                    q_next = fetch_q4(ql_flat, qr_flat, q_off_l, q_off_r, q_ok, d1, Dc, D)
+                # numba has no "#pragma unroll", and NVVM keeps an 8-trip loop of this size
+                # rolled (index math and a load-use stall every trip): spelled out instead
+                _score_group(q_mine, k_mine, 0, score)
+                _score_group(q_mine, k_mine, 1, score)
+                _score_group(q_mine, k_mine, 2, score)
+                _score_group(q_mine, k_mine, 3, score)
+                _score_group(q_mine, k_mine, 4, score)
+                _score_group(q_mine, k_mine, 5, score)
+                _score_group(q_mine, k_mine, 6, score)
+                _score_group(q_mine, k_mine, 7, score)
+            fetch_c(flat, slot_off, t_valid, 0, Dc, tid, c_next)  # in flight during softmax
+            cuda.syncthreads()                  # every warp is done with the last K chunk,
+            #                                     whose buffer now receives P^T
+            # raw dot products to P^T: one vector = 4 rows of a quad at one slot
+            for k in range(4):
+                k_s[(32 * (warp % 4) + lane_b + 8 * k) * ROW4 + score_quad] = float32x4(
+                    score[k], score[4 + k], score[8 + k], score[12 + k])
+            cuda.syncthreads()                  # the whole score tile is in P^T
+            # 2. mask and scale; 3. online softmax. Warp w holds quad w: 4 rows x 128 slots
+            # (4 per lane), so a row's max and sum are warp reductions (5 shuffles each).
+            for k in range(4):
+                v = k_s[(lane + 32 * k) * ROW4 + warp]
+                soft[k] = v.x
+                soft[4 + k] = v.y
+                soft[8 + k] = v.z
+                soft[12 + k] = v.w
+            for r in range(4):
+                row = soft_rows[r]
                 node = row // H
                 row_valid = row < NH and node < n
                 tile_max = NEG_INF
-                for k in range(2):
+                for k in range(4):
                     t = t0 + lane + 32 * k
                     ok = row_valid and t < t_end and (t < P or _visible(bits, b, node, t - P))
-                    sk = score[2 * r + k] * sm_scale if ok else NEG_INF
-                    score[2 * r + k] = sk
+                    sk = soft[4 * r + k] * sm_scale if ok else NEG_INF
+                    soft[4 * r + k] = sk
                     tile_max = max(tile_max, sk)
                 for offset in (16, 8, 4, 2, 1):
                     tile_max = max(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, offset))
@@ -407,40 +465,65 @@ def _make_tiled_kernel(kind: str):
                 if m_new > NEG_INF:
                     rescale = math.exp(m[r] - m_new) if m[r] > NEG_INF else float32(0.0)
                 tile_sum = float32(0.0)
-                for k in range(2):
-                    p = math.exp(score[2 * r + k] - m_new) if m_new > NEG_INF else float32(0.0)
-                    p_s[warp * ROWS_PER_WARP + r, lane + 32 * k] = p
+                for k in range(4):
+                    p = math.exp(soft[4 * r + k] - m_new) if m_new > NEG_INF else float32(0.0)
+                    soft[4 * r + k] = p
                     tile_sum += p
                 for offset in (16, 8, 4, 2, 1):
                     tile_sum += cuda.shfl_xor_sync(FULL_MASK, tile_sum, offset)
                 l[r] = l[r] * rescale + tile_sum
                 m[r] = m_new
-                for c in range(COLS):
-                    acc[r * COLS + c] *= rescale
-            # 4. O += P C, 8 slots at a time (the next 8 fetched while these are used); each
-            # thread updates a 4 x 16 block of O (rows of its warp, columns lane + 32 c): per
-            # slot 4 broadcast reads of P and 16 conflict-free reads of C feed 64 FMAs
-            for sub in range(0, BN, VSLOTS):
-                fetch_c(flat, slot_off, t_valid, sub, Dc, tid, creg)
-                cuda.syncthreads()              # p_s written / c_s free before staging
-                store_c(c_s, tid, creg)
+                alpha[r] = rescale
+            for k in range(4):                  # each lane rewrites the vectors it read
+                k_s[(lane + 32 * k) * ROW4 + warp] = float32x4(soft[k], soft[4 + k],
+                                                               soft[8 + k], soft[12 + k])
+            if lane == 0:
+                alpha_s[warp] = float32x4(alpha[0], alpha[1], alpha[2], alpha[3])
+            cuda.syncthreads()                  # probabilities and factors published
+            # 4. O += P C, 8 slots at a time; each thread updates 4 rows x 16 columns: per slot
+            # one vector of P (its quad) and 4 vectors of C feed 64 FMAs
+            a = alpha_s[out_quad]
+            for j in range(16):
+                acc[j] *= a.x
+                acc[16 + j] *= a.y
+                acc[32 + j] *= a.z
+                acc[48 + j] *= a.w
+            tile_slots = min(BN, t_valid)       # a partial tile has fewer sub-tiles
+            for sub in range(0, tile_slots, VSLOTS):
+                cuda.syncthreads()              # c_s free: the previous sub-tile is consumed
+                for j in range(4):              # stage latent rows sub .. sub + 7
+                    c_s[(tid // 128 + 2 * j) * COL4 + tid % 128] = c_next[j]
                 cuda.syncthreads()              # latent rows staged before the products
-                p_sub = p_mine[:, sub:]
-                for ss in range(VSLOTS):        # slots past t_end have p = 0
-                    for r in range(ROWS_PER_WARP):
-                        p = p_sub[r, ss]
-                        for c in range(COLS):
-                            acc[r * COLS + c] += p * c_mine[ss, 32 * c]
-        # partial result of this split: normalised output and its log-sum-exp
-        for r in range(ROWS_PER_WARP):
-            row = row0 + warp * ROWS_PER_WARP + r
+                if sub + VSLOTS < tile_slots:   # the next sub-tile is fetched meanwhile
+                    fetch_c(flat, slot_off, t_valid, sub + VSLOTS, Dc, tid, c_next)
+                p_sub = p_mine[sub * ROW4:]
+                _weighted_slot(p_sub, c_mine, 0, acc)       # slots past t_end have p = 0
+                _weighted_slot(p_sub, c_mine, 1, acc)       # (unrolled by hand, as above)
+                _weighted_slot(p_sub, c_mine, 2, acc)
+                _weighted_slot(p_sub, c_mine, 3, acc)
+                _weighted_slot(p_sub, c_mine, 4, acc)
+                _weighted_slot(p_sub, c_mine, 5, acc)
+                _weighted_slot(p_sub, c_mine, 6, acc)
+                _weighted_slot(p_sub, c_mine, 7, acc)
+        # partial result of this split: output / l and its log-sum-exp m + log l
+        cuda.syncthreads()                      # the last tile is done with alpha_s
+        for r in range(4):
+            alpha[r] = float32(1.0) / l[r] if l[r] > 0 else float32(0.0)
+            if lane == 0 and soft_rows[r] < NH:
+                part_lse[split, b, soft_rows[r]] = m[r] + math.log(l[r]) if l[r] > 0 else NEG_INF
+        if lane == 0:
+            alpha_s[warp] = float32x4(alpha[0], alpha[1], alpha[2], alpha[3])
+        cuda.syncthreads()                      # 1 / l of every row published
+        inv = alpha_s[out_quad]
+        for r in range(4):
+            row = row0 + 16 * (warp // 4) + lane_a + 4 * r
+            inv_l = inv.x if r == 0 else (inv.y if r == 1 else (inv.z if r == 2 else inv.w))
             if row < NH:
-                for c in range(COLS):
-                    d = lane + 32 * c
-                    if d < Dc:
-                        part_out[split, b, row, d] = acc[r * COLS + c] / l[r] if l[r] > 0 else 0.0
-                if lane == 0:
-                    part_lse[split, b, row] = m[r] + math.log(l[r]) if l[r] > 0 else NEG_INF
+                for j in range(4):
+                    for e in range(4):
+                        d = 4 * (col4 + 8 * j) + e
+                        if d < Dc:
+                            part_out[split, b, row, d] = acc[16 * r + 4 * j + e] * inv_l
 
     return tiled_kernel
 
@@ -518,14 +601,24 @@ def sm_count() -> int:
 def choose_splits(bs: int, row_tiles: int, slots: int, sms: int = 132, max_waves: int = 4) -> int:
     """Slot splits for ``bs * row_tiles`` row tiles on ``sms`` SMs (one block per SM fits).
 
-    A split's blocks take time proportional to its share of the slots, so the step time goes
-    as ``waves / splits`` with ``waves = ceil(blocks / sms)``: pick the number of splits that
-    minimises it (a partial last wave wastes the idle SMs), the smallest on ties, with at
-    least one tile of BN slots per split and at most ``max_waves`` waves.
+    Splits hold whole tiles of BN slots (``per_split = ceil(slots / s)`` rounded up to BN), and
+    a block's time goes as its tiles, so the launch takes ``waves * per_split / BN`` tile times
+    with ``waves = ceil(blocks / sms)``: pick the split count that minimises it (a partial last
+    wave idles SMs, a partial tile wastes work), the fewest splits on ties, at most
+    ``max_waves`` waves.
     """
+    def ceil_div(a, b):
+        return -(-a // b)
+
     tiles = max(bs * row_tiles, 1)
-    most = max(1, min(-(-slots // BN), -(-max_waves * sms // tiles)))
-    return min(range(1, most + 1), key=lambda s: (-(-tiles * s // sms)) / s)
+    best = None
+    for s in range(1, max(1, min(ceil_div(slots, BN), ceil_div(max_waves * sms, tiles))) + 1):
+        per_split = ceil_div(ceil_div(slots, s), BN) * BN
+        n = ceil_div(slots, per_split)
+        cost = ceil_div(tiles * n, sms) * (per_split // BN)
+        if best is None or (cost, n) < best:
+            best = (cost, n)
+    return best[1]
 
 
 def plan_splits(bs: int, N: int, H: int, max_slots: int, splits=None) -> tuple:
