@@ -31,8 +31,9 @@ def main():
 
 
 
-def attention():
-    """One tiled verify_attn launch at bs=1, N=16, prefix 1024, H=128 (ncu: regex:tiled)."""
+def attention(bf16: bool = False):
+    """One tiled verify_attn launch at bs=1, N=16, prefix 1024, H=128 (ncu: regex:tiled);
+    ``--bf16``: the cache stored as bfloat16."""
     rng = np.random.default_rng(1)
     bs, N, P, H = 1, 16, 1024, 128
     x = rng.standard_normal((bs, 15, 64)).astype(np.float32) * 3
@@ -42,10 +43,16 @@ def attention():
     pages = (P + N + 63) // 64
     table = rng.permutation(pages).astype(np.int32).reshape(bs, pages)
     cache = rng.standard_normal((pages, 64, 576)).astype(np.float32)
+    if bf16:
+        from ddtree_numba.validation import BFLOAT16
+
+        cache = cache.astype(BFLOAT16)
     ql = rng.standard_normal((bs, N, H, 512)).astype(np.float32)
     qr = rng.standard_normal((bs, N, H, 64)).astype(np.float32)
     args = [K.as_device(a) for a in (ql, qr, cache, table, prefix, tree.visibility_bits,
                                      tree.num_nodes)]
+    if bf16:                                # verify_attn takes the bf16 bits as a host array
+        args[2] = cache
     for _ in range(2):
         K.verify_attn(*args, sm_scale=ref.deepseek_sm_scale())
     cuda.synchronize()
@@ -54,4 +61,4 @@ def attention():
 if __name__ == "__main__":
     import sys
 
-    attention() if "--attention" in sys.argv else main()
+    attention("--bf16" in sys.argv) if "--attention" in sys.argv else main()

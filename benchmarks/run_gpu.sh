@@ -41,7 +41,7 @@ sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,\
 l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,\
 l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__inst_executed_op_shared_ld.sum,\
 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
-        python3 profile_kernels.py --attention) > "$OUT/ncu_verify_attn.txt" 2>&1
+        python3 profile_kernels.py --attention ${PROFILE_ARGS:-}) > "$OUT/ncu_verify_attn.txt" 2>&1
     grep -E "Duration|Registers|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|\
 Stall|Warp Cycles Per Issued|pipe_fma|inst_executed|bank_conflicts|wavefronts|Executed Ipc|Est. Local|stalled" \
         "$OUT/ncu_verify_attn.txt" | grep -v " 0$" | head -60

@@ -231,3 +231,24 @@ def test_workspace_shape_is_checked():
     bad = (cuda.device_array((7, 1, 8, 8), np.float32), cuda.device_array((7, 1, 8), np.float32))
     with pytest.raises(ValueError, match="workspace: expected float32"):
         K.verify_attn(*args, sm_scale=0.5, variant="tiled", splits=2, workspace=bad)
+
+
+@pytest.mark.parametrize("bs, N, H, slots", [
+    (1, 16, 128, 1088), (1, 16, 64, 1088), (1, 64, 128, 8256), (8, 16, 128, 32832),
+    (1, 1, 2, 1), (3, 5, 2, 24), (1, 1025, 8, 1344), (64, 65, 128, 4160),
+])
+def test_split_plan_covers_every_slot_once(bs, N, H, slots):
+    """The tiled variant's splits: equal ranges of whole 8-slot sub-tiles that cover
+    ``[0, slots)`` with no empty split, chosen or forced."""
+    import importlib
+
+    kva = importlib.import_module("ddtree_numba.kernels.verify_attn")
+    for forced in (None, 1, 2, 7):
+        n, per_split = kva.plan_splits(bs, N, H, slots, splits=forced)
+        assert n >= 1 and per_split % kva.VSLOTS == 0
+        assert (n - 1) * per_split < slots <= n * per_split, (n, per_split)
+        if forced is not None:
+            assert n <= forced
+    # the benchmark's first row (132 SMs, 64 row tiles): 2 splits of 544 slots (4.65 tile
+    # times each) fill one wave; 1 split takes 8.8 tile times, 3 or more need two waves
+    assert kva.choose_splits(1, 64, 1088, sms=132) == 2

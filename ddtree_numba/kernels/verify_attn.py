@@ -27,45 +27,60 @@ simple and slow (the tiled variant reads it once per 32 rows).
 
 Variant ``"tiled"`` (fast; GPU). The ``N * H`` query rows of a request are flattened
 (``row = i * H + h``) and cut into tiles of ``BM = 32`` rows; the slots ``[0, P + N)`` are cut into
-``splits`` contiguous ranges (flash-decoding: enough blocks to fill the GPU even at bs = 1; the
-count minimises the partial last wave, ``choose_splits``). Grid ``(splits, ceil(N H / 32),
-bs)``, 256 threads = 8 warps, and warp ``w`` owns query rows ``4 w .. 4 w + 3`` in every phase.
-For each tile of ``BN = 64`` slots:
+``splits`` equal ranges (flash-decoding: enough blocks to fill the GPU even at bs = 1; the count
+minimises waves x tile times, ``choose_splits``). Grid ``(splits, ceil(N H / 32), bs)``, 256
+threads = 8 warps. For each tile of ``BN = 128`` slots:
 
-1. ``S = Q K^T`` over 576 dims in chunks of 32: a 32 x 32 chunk of queries and a 64 x 32 chunk
+1. ``S = Q K^T`` over 576 dims in chunks of 32: a 32 x 32 chunk of queries and a 128 x 32 chunk
    of cache rows are staged in shared memory (each cache element is read once per block and
    reused by its 32 query rows: heads and nodes), while the *next* chunk is already being
    fetched into registers (a software pipeline: global latency hides behind the products).
-   Each thread accumulates a 4 x 2 block of scores (its warp's 4 rows, slots ``lane`` and
-   ``lane + 32``): per dim, 4 broadcast reads of Q and 2 conflict-free reads of K feed 8 FMAs.
-2. mask and scale: prefix slots always visible, tree slot ``P + j`` iff bit ``j`` of the row's
-   node. A row's 64 scores live in one warp, so its max and sum are 5-shuffle reductions;
-3. online softmax: ``m, l`` per row, in registers of the row's warp;
-4. ``O += P C``, 8 slots at a time with their 512 latent columns staged in shared memory;
-   each thread keeps a 4 x 16 block of the output in registers (its warp's rows, columns
-   ``lane + 32 c``): per slot, 4 broadcast reads of P and 16 conflict-free reads of C feed 64
-   FMAs (register tiling; loops unrolled so every accumulator index is a constant).
+   Each thread accumulates a 4 x 4 block of scores: per 4 dims, 4 vectors of Q and 4 of K
+   feed 64 FMAs.
+2. The raw scores go to shared memory as ``P^T`` (in the K buffer, free by then), one
+   float32x4 per slot and *row quad*. Mask and scale: prefix slots always visible, tree slot
+   ``P + j`` iff bit ``j`` of the row's node. Warp ``w`` owns quad ``w`` (4 rows x 128 slots),
+   so a row's max and sum are 5-shuffle warp reductions;
+3. online softmax: ``m, l`` per row in registers of its warp, the rescale factor of each row
+   published in shared memory for the threads that hold its outputs;
+4. ``O += P C``, 8 slots at a time with their 512 latent columns staged in shared memory (the
+   next 8 in flight meanwhile); each thread keeps 4 rows x 16 columns of the output in
+   registers: per slot, 1 vector of P and 4 of C feed 64 FMAs.
+
+Why these shapes (measured on the H200, ``benchmarks/NOTES.md``): an SM issues 4 warp-FMAs per
+cycle but its shared memory returns one 128-byte wavefront (one 32-bit register per lane) per
+cycle, so the FMAs that use a read must take at least as long as the read. All staged tiles
+are float32x4; a 128-bit read costs 4 wavefronts, or 2 when lanes ``n`` and ``n ^ 1`` (or
+``n ^ 2``) read the same address. The lane is split into ``lane_a`` (bits 0, 2) and ``lane_b``
+(bits 1, 3, 4) so that every read of both products pairs up: the 4 x 4 score tile then reads 8
+vectors (16 wavefronts) per 64 warp-FMAs (16 cycles of the SM's FMA rate: balanced),
+the 4 x 16 output tile 5 vectors (10 wavefronts) per 64 FMAs. Rows of Q, K and ``P^T`` are 9
+vectors apart, so the rows a warp reads at once start in different banks; row quads
+interleave rows (quad ``q`` holds rows ``16 (q // 4) + (q % 4) + 4 r``) for the same reason.
 
 Index arithmetic is kept out of the hot loops: shared memory is read through per-thread views
-(``k_s[lane:]``, ``c_s[:, lane:]``, ...) with constant indices, so each read is a base plus an
-immediate offset, and global reads go through flat 1-D views with unsigned offsets (the row
-offset of every slot of a tile is computed once). numba's signed 64-bit index math (multiplies
-and negative-index wraparound) had cost 4 to 5 extra instructions per FMA.
+(``k_s[(...) * ROW4:]``, ``c_s[col4:]``) with constant indices, so each read is a base plus an
+immediate offset (numba keeps 128-bit shared loads only for views sliced along the first axis,
+hence 1-D buffers), global reads go through flat 1-D views with unsigned offsets (the row
+offset of every slot of a tile is computed once), and the 8-step inner loops are spelled out
+(``_score_group``, ``_weighted_slot``): numba has no ``#pragma unroll``. The hot loops compile
+to 1.14 (scores) and 1.09 (weighted sum) instructions per FMA in the sm_90 SASS.
 
-Storage: bfloat16 caches are read as *packed pairs* (the cache viewed as ``uint32``: one load
-brings two values, split by two shifts) when ``Dc`` and ``Dr`` are even, else as 16-bit values;
-float16 and float32 one element per load. All arithmetic is float32.
+Storage: with even ``Dc`` and ``Dr`` the cache is read as value pairs, bfloat16 viewed as
+``uint32`` and float32 as ``uint64`` words (half the loads and address arithmetic); the words
+stay packed while in flight and are widened only when staged, so no instruction waits for a
+prefetch before the products that hide it. Odd widths and float16: one element per load. All
+arithmetic is float32.
 
 Each block writes an unnormalised partial ``(out / l, m + log l)``; the merge kernel combines
 the splits of a row by log-sum-exp (``_merge_partials``, the only place the merge is
 written).
 
-Resources (``python -m ddtree_numba build-report``): ~164 registers on sm_120 and ~240 on
-sm_90 (numba's NVVM emits heavier code there), no spills, 37.6 KB of static shared memory
-(Q chunk 4 KB, K chunk 8.4 KB, P tile 8 KB, latent sub-tile 16 KB, slot offsets 0.5 KB): one
-block of 8 warps per SM. Measured on the H200 (``benchmarks/NOTES.md``): 9.7 TFLOP/s at long
-prefixes, 19 % of cuBLAS SGEMM; 5x the previous version, whose 16 x 2 score tiles and 3-D
-indexing cost 21 instructions per FMA.
+Resources (``python -m ddtree_numba build-report``): 251-254 registers on sm_90 and sm_120, no
+spills, 40 576 bytes of static shared memory (Q chunk 4.5 KiB, K chunk / ``P^T`` 18 KiB,
+latent sub-tile 16 KiB, slot offsets 1 KiB): one block of 8 warps per SM. Measured on the H200: 25.6
+TFLOP/s (float32 cache) and 26.9 (bfloat16) at long prefixes, 51-53 % of cuBLAS SGEMM (v4: 9.7,
+19 %); what bounds it is two warps per scheduler against shared-memory latency and FMA chains.
 """
 
 from __future__ import annotations
@@ -78,7 +93,7 @@ from numba.cuda import float32x4
 
 from ..validation import BFLOAT16, FLOAT16, check_verify_attn
 from ._device import SIMULATOR, as_device, device_empty, launch_stream, resolve_variant
-from ._primitives import bits_to_float
+from ._primitives import bits_to_float, float_to_bits
 
 NEG_INF = float32(-np.inf)
 FULL_MASK = 0xFFFFFFFF
@@ -259,8 +274,10 @@ def _weighted_slot(p_sub, c_mine, ss, acc):
 
 
 def _make_tiled_kernel(kind: str):
-    # "bfloat16x2": the cache viewed as uint32, two bfloat16 values per load (even widths)
+    # Even widths: the cache is read two values per load, "bfloat16x2" viewed as uint32 and
+    # "float32x2" as uint64 words (half the loads and address arithmetic)
     packed = kind == "bfloat16x2"
+    pairs = kind == "float32x2"
     load = _make_flat_loader("bfloat16" if packed else kind)
 
     # Global reads go through flat 1-D views with unsigned offsets: the row offset of each slot
@@ -268,20 +285,36 @@ def _make_tiled_kernel(kind: str):
     # index costs numba ~20 instructions: 64-bit multiplies and negative-index wraparound).
     @cuda.jit(device=True, inline=True)
     def fetch4(flat, row_off, ok, d, width):
-        """Values ``d .. d + 3`` of one cache row as a float32x4 (0 past ``width`` or if not
-        ``ok``). Packed bf16: ``d`` and ``width`` are even, so two 32-bit words hold them."""
+        """Values ``d .. d + 3`` of one cache row (0 past ``width`` or if not ``ok``), *in
+        flight*: a float32x4 of the values, or for packed bf16 (``d``, ``width`` even) the two
+        raw 32-bit words as bit patterns in ``.x`` and ``.y``. Nothing here reads a loaded
+        value, so the load's latency is paid only where :func:`widen4` stages it."""
+        if pairs:                       # splitting a 64-bit word costs no instruction
+            half = row_off + (uint64(d) >> uint64(1))
+            w0 = flat[half] if ok and d < width else uint64(0)
+            w1 = flat[half + uint64(1)] if ok and d + 2 < width else uint64(0)
+            return float32x4(bits_to_float(uint32(w0 & uint64(0xFFFFFFFF))),
+                             bits_to_float(uint32(w0 >> uint64(32))),
+                             bits_to_float(uint32(w1 & uint64(0xFFFFFFFF))),
+                             bits_to_float(uint32(w1 >> uint64(32))))
         if packed:
             half = row_off + (uint64(d) >> uint64(1))
-            lo0 = hi0 = lo1 = hi1 = float32(0.0)
-            if ok and d < width:
-                lo0, hi0 = _unpack_bf16x2(flat[half])
-            if ok and d + 2 < width:
-                lo1, hi1 = _unpack_bf16x2(flat[half + uint64(1)])
-            return float32x4(lo0, hi0, lo1, hi1)
+            w0 = flat[half] if ok and d < width else uint32(0)
+            w1 = flat[half + uint64(1)] if ok and d + 2 < width else uint32(0)
+            return float32x4(bits_to_float(w0), bits_to_float(w1), float32(0.0), float32(0.0))
         v = cuda.local.array(4, float32)
         for e in range(4):
             v[e] = load(flat, row_off + uint64(d + e)) if ok and d + e < width else float32(0.0)
         return float32x4(v[0], v[1], v[2], v[3])
+
+    @cuda.jit(device=True, inline=True)
+    def widen4(v):
+        """The 4 float32 values of a :func:`fetch4` result (packed bf16: split the words)."""
+        if packed:
+            lo0, hi0 = _unpack_bf16x2(float_to_bits(v.x))
+            lo1, hi1 = _unpack_bf16x2(float_to_bits(v.y))
+            return float32x4(lo0, hi0, lo1, hi1)
+        return v
 
     @cuda.jit(device=True, inline=True)
     def fetch_q4(ql_flat, qr_flat, off_l, off_r, ok, d, Dc, D):
@@ -414,7 +447,7 @@ def _make_tiled_kernel(kind: str):
                 cuda.syncthreads()              # everyone is done with the previous chunk
                 q_s[stage_row * ROW4 + tid % 8] = q_next
                 for j in range(4):
-                    k_s[(stage_row + 32 * j) * ROW4 + tid % 8] = k_next[j]
+                    k_s[(stage_row + 32 * j) * ROW4 + tid % 8] = widen4(k_next[j])
                 cuda.syncthreads()              # chunk staged before the products
                 d1 = d0 + DCHUNK + stage_dim    # prefetch the next chunk, if there is one (dims
                 if d0 + DCHUNK < D:             # past D read as 0: no stale values staged)
@@ -492,7 +525,7 @@ def _make_tiled_kernel(kind: str):
             for sub in range(0, tile_slots, VSLOTS):
                 cuda.syncthreads()              # c_s free: the previous sub-tile is consumed
                 for j in range(4):              # stage latent rows sub .. sub + 7
-                    c_s[(tid // 128 + 2 * j) * COL4 + tid % 128] = c_next[j]
+                    c_s[(tid // 128 + 2 * j) * COL4 + tid % 128] = widen4(c_next[j])
                 cuda.syncthreads()              # latent rows staged before the products
                 if sub + VSLOTS < tile_slots:   # the next sub-tile is fetched meanwhile
                     fetch_c(flat, slot_off, t_valid, sub + VSLOTS, Dc, tid, c_next)
@@ -598,27 +631,38 @@ def sm_count() -> int:
     return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
+def _split_cost(slots: int) -> float:
+    """Time of one block over ``slots`` slots, in tile times: every tile computes all BN
+    scores (576 of the 1088 FLOPs per slot and row), the weighted sum only the slots present."""
+    full, rest = divmod(slots, BN)
+    score_share = (MAX_DC + 64) / (2 * MAX_DC + 64)
+    return full + (score_share + (1 - score_share) * rest / BN if rest else 0.0)
+
+
 def choose_splits(bs: int, row_tiles: int, slots: int, sms: int = 132, max_waves: int = 4) -> int:
     """Slot splits for ``bs * row_tiles`` row tiles on ``sms`` SMs (one block per SM fits).
 
-    Splits hold whole tiles of BN slots (``per_split = ceil(slots / s)`` rounded up to BN), and
-    a block's time goes as its tiles, so the launch takes ``waves * per_split / BN`` tile times
-    with ``waves = ceil(blocks / sms)``: pick the split count that minimises it (a partial last
-    wave idles SMs, a partial tile wastes work), the fewest splits on ties, at most
+    A split of ``per_split = ceil(slots / s)`` slots (rounded up to a sub-tile) costs
+    :func:`_split_cost` tile times, and the launch ``waves`` of them with
+    ``waves = ceil(blocks / sms)``: pick the split count that minimises that (a partial last
+    wave idles SMs, a partial tile computes all its scores), the fewest splits on ties, at most
     ``max_waves`` waves.
     """
-    def ceil_div(a, b):
-        return -(-a // b)
-
     tiles = max(bs * row_tiles, 1)
     best = None
-    for s in range(1, max(1, min(ceil_div(slots, BN), ceil_div(max_waves * sms, tiles))) + 1):
-        per_split = ceil_div(ceil_div(slots, s), BN) * BN
-        n = ceil_div(slots, per_split)
-        cost = ceil_div(tiles * n, sms) * (per_split // BN)
-        if best is None or (cost, n) < best:
+    for s in range(1, max(1, min(-(-slots // BN), -(-max_waves * sms // tiles))) + 1):
+        per_split, n = _split_slots(slots, s)
+        cost = -(-tiles * n // sms) * _split_cost(per_split)
+        if best is None or cost < best[0] - 1e-9:    # ties: the fewer splits
             best = (cost, n)
     return best[1]
+
+
+def _split_slots(slots: int, splits: int) -> tuple:
+    """``(slots_per_split, splits)`` covering ``slots``: equal shares, whole sub-tiles."""
+    per_split = -(-slots // max(splits, 1))
+    per_split = -(-per_split // VSLOTS) * VSLOTS
+    return per_split, -(-slots // per_split)
 
 
 def plan_splits(bs: int, N: int, H: int, max_slots: int, splits=None) -> tuple:
@@ -630,9 +674,8 @@ def plan_splits(bs: int, N: int, H: int, max_slots: int, splits=None) -> tuple:
     """
     row_tiles = -(-N * H // BM)
     n = choose_splits(bs, row_tiles, max_slots, sm_count()) if splits is None else int(splits)
-    per_split = -(-max_slots // max(n, 1))
-    per_split = -(-per_split // BN) * BN            # whole tiles per split
-    return -(-max_slots // per_split), per_split
+    per_split, n = _split_slots(max_slots, n)
+    return n, per_split
 
 
 def allocate_workspace(bs: int, N: int, H: int, Dc: int, max_slots: int, splits=None):
@@ -687,9 +730,11 @@ def verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visibility
     cache = as_device(kv_cache)
     if kind == "bfloat16":
         cache = cache.view(np.uint16)
-        if variant == "tiled" and sz.Dc % 2 == 0 and sz.Dr % 2 == 0:
-            cache = cache.view(np.uint32)       # bf16 pairs: one 32-bit load per 2 values
-            kind = "bfloat16x2"
+    if variant == "tiled" and sz.Dc % 2 == 0 and sz.Dr % 2 == 0:   # value pairs: one load
+        if kind == "bfloat16":
+            cache, kind = cache.view(np.uint32), "bfloat16x2"
+        elif kind == "float32":
+            cache, kind = cache.view(np.uint64), "float32x2"
     table, prefix = as_device(block_table), as_device(prefix_lens)
     bits, nodes = as_device(visibility_bits), as_device(num_nodes)
     if out is None:
@@ -749,6 +794,9 @@ def build_specs():
               types.uint32[::1])
     specs.append(KernelSpec("verify_attn", "tiled bfloat16x2", _kernel("tiled", "bfloat16x2"),
                             packed, TILED_THREADS, True))
+    pairs = (*packed[:2], types.uint64[:, :, ::1], *packed[3:-1], types.uint64[::1])
+    specs.append(KernelSpec("verify_attn", "tiled float32x2", _kernel("tiled", "float32x2"),
+                            pairs, TILED_THREADS, True))
     specs.append(KernelSpec("verify_attn", "merge", _merge_kernel,
                             (f4, types.float32[:, :, ::1], i1, f4, types.float32[:, :, ::1]),
                             128, True))
