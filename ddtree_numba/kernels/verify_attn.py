@@ -398,27 +398,26 @@ def _make_tiled_kernel(kind: str):
         # `a` only by lanes n, n ^ 2: every 128-bit read of the two products costs 2 cycles.
         lane_a = (lane & 1) | ((lane >> 1) & 2)
         lane_b = ((lane >> 1) & 1) | ((lane >> 2) & 6)
-        # Score phase: warp (wr, ws) = (warp // 4, warp % 4) computes rows 16 wr .. 16 wr + 15
-        # x slots 32 ws .. 32 ws + 31; lane (a, b) a 4 x 4 tile: quad 4 wr + a x slots
-        # 32 ws + b + 8 k.
-        score_quad = 4 * (warp // 4) + lane_a
-        q_mine = q_s[(16 * (warp // 4) + lane_a) * ROW4:]  # [4 r ROW4 + g]: row r of score_quad
-        k_mine = k_s[(32 * (warp % 4) + lane_b) * ROW4:]   # [8 k ROW4 + g]: slot 32 ws + b + 8 k
-        # Output phase: thread (quad, column group) keeps O[4 rows of quad, 16 columns] with
-        # quad = 4 (warp // 4) + a and columns 4 c4 .. 4 c4 + 3 for
+        # Each thread owns one row quad in both products, quad = 4 (warp // 4) + a (rows
+        # 16 (warp // 4) + a + 4 r): warps 0-3 hold rows 0-15, warps 4-7 rows 16-31.
+        quad = 4 * (warp // 4) + lane_a
+        # Score phase: warp w computes its 16 rows x slots 32 (w % 4) .. + 31; lane (a, b) a
+        # 4 x 4 tile: its quad x slots 32 (w % 4) + b + 8 k.
+        q_mine = q_s[(16 * (warp // 4) + lane_a) * ROW4:]  # [4 r ROW4 + g]: row r of quad
+        k_mine = k_s[(32 * (warp % 4) + lane_b) * ROW4:]   # [8 k ROW4 + g]: slot k of mine
+        # Output phase: O[4 rows of quad, 16 columns], columns 4 c4 .. 4 c4 + 3 for
         # c4 = 32 (warp % 4) + b + 8 j, j < 4 (a warp reads 8 consecutive vectors).
-        out_quad = 4 * (warp // 4) + lane_a
         col4 = 32 * (warp % 4) + lane_b
         c_mine = c_s[col4:]                    # c_mine[ss COL4 + 8 j]: C[ss, vector j of mine]
-        p_mine = k_s[out_quad:]                # p_mine[t ROW4]: P^T[t, out_quad]
+        p_mine = k_s[quad:]                    # p_mine[t ROW4]: P^T[t, quad]
         # Softmax: warp w owns quad w (its 4 rows' max and sum), lane holds slots lane + 32 k.
         soft_rows = cuda.local.array(4, np.int64)
         for r in range(4):
             soft_rows[r] = row0 + 16 * (warp // 4) + warp % 4 + 4 * r
 
         # registers (loops over these are unrolled: constant indices, no local memory)
-        acc = cuda.local.array(ACC, float32)    # O[row r of out_quad, col 4 c4_j + e] at 16r+4j+e
-        score = cuda.local.array(SCORES, float32)   # S[row r of score_quad, slot k] at 4 r + k
+        acc = cuda.local.array(ACC, float32)    # O[row r of quad, col 4 c4_j + e] at 16r+4j+e
+        score = cuda.local.array(SCORES, float32)   # S[row r of quad, slot k] at 4 r + k
         soft = cuda.local.array(SCORES, float32)    # softmax: row r, slot lane + 32 k at 4 r + k
         m = cuda.local.array(4, float32)        # softmax: running max per row of quad `warp`
         l = cuda.local.array(4, float32)        # softmax: running sum per row
@@ -476,7 +475,7 @@ def _make_tiled_kernel(kind: str):
             #                                     whose buffer now receives P^T
             # raw dot products to P^T: one vector = 4 rows of a quad at one slot
             for k in range(4):
-                k_s[(32 * (warp % 4) + lane_b + 8 * k) * ROW4 + score_quad] = float32x4(
+                k_s[(32 * (warp % 4) + lane_b + 8 * k) * ROW4 + quad] = float32x4(
                     score[k], score[4 + k], score[8 + k], score[12 + k])
             cuda.syncthreads()                  # the whole score tile is in P^T
             # 2. mask and scale; 3. online softmax. Warp w holds quad w: 4 rows x 128 slots
@@ -522,7 +521,7 @@ def _make_tiled_kernel(kind: str):
             cuda.syncthreads()                  # probabilities and factors published
             # 4. O += P C, 8 slots at a time; each thread updates 4 rows x 16 columns: per slot
             # one vector of P (its quad) and 4 vectors of C feed 64 FMAs
-            a = alpha_s[out_quad]
+            a = alpha_s[quad]
             for j in range(16):
                 acc[j] *= a.x
                 acc[16 + j] *= a.y
@@ -547,7 +546,7 @@ def _make_tiled_kernel(kind: str):
         if lane == 0:
             alpha_s[warp] = float32x4(alpha[0], alpha[1], alpha[2], alpha[3])
         cuda.syncthreads()                      # 1 / l of every row published
-        inv = alpha_s[out_quad]
+        inv = alpha_s[quad]
         for r in range(4):
             row = row0 + 16 * (warp // 4) + lane_a + 4 * r
             inv_l = inv.x if r == 0 else (inv.y if r == 1 else (inv.z if r == 2 else inv.w))
