@@ -122,38 +122,22 @@ else:           # the element type of float32x4 arrays (float32x4 itself builds 
     F32X4 = vector_types["float32x4"]
 
 
-def _make_loader(kind: str):
-    """Device function reading one cache element as float32, per storage type."""
+def _make_widen(kind: str):
+    """Device function turning one stored cache element into float32, per storage type
+    (bfloat16 arrives as its uint16 bits)."""
     if kind == "bfloat16":
 
         @cuda.jit(device=True, inline=True)
-        def load(cache, page, slot, d):
-            return bits_to_float(uint32(cache[page, slot, d]) << uint32(16))
+        def widen(raw):
+            return bits_to_float(uint32(raw) << uint32(16))
 
     else:  # float32 and float16 (numba widens float16 with float32())
 
         @cuda.jit(device=True, inline=True)
-        def load(cache, page, slot, d):
-            return float32(cache[page, slot, d])
+        def widen(raw):
+            return float32(raw)
 
-    return load
-
-
-def _make_flat_loader(kind: str):
-    """Device function reading element ``i`` (unsigned: no wraparound code) of a flat cache."""
-    if kind == "bfloat16":
-
-        @cuda.jit(device=True, inline=True)
-        def load_flat(flat, i):
-            return bits_to_float(uint32(flat[i]) << uint32(16))
-
-    else:
-
-        @cuda.jit(device=True, inline=True)
-        def load_flat(flat, i):
-            return float32(flat[i])
-
-    return load_flat
+    return widen
 
 
 @cuda.jit(device=True, inline=True)
@@ -174,7 +158,7 @@ def _visible(bits, b, i, j):
 # Variant "readable"
 # ------------------------------------------------------------------------------------------
 def _make_readable_kernel(kind: str):
-    load = _make_loader(kind)
+    widen = _make_widen(kind)
 
     @cuda.jit
     def readable_kernel(q_latent, q_rope, cache, block_table, prefix_lens, bits, num_nodes,
@@ -208,9 +192,9 @@ def _make_readable_kernel(kind: str):
             # 2. score: latent part and rope part of the 576-wide row
             s = float32(0.0)
             for d in range(Dc):
-                s += q_latent[b, i, h, d] * load(cache, page, slot, d)
+                s += q_latent[b, i, h, d] * widen(cache[page, slot, d])
             for d in range(Dr):
-                s += q_rope[b, i, h, d] * load(cache, page, slot, Dc + d)
+                s += q_rope[b, i, h, d] * widen(cache[page, slot, Dc + d])
             s *= sm_scale
             # 3. online softmax: a larger max rescales what was accumulated so far
             m_new = max(m, s)
@@ -220,7 +204,7 @@ def _make_readable_kernel(kind: str):
             m = m_new
             # 4. weighted sum of this slot's latent row (the output stays in latent space)
             for d in range(Dc):
-                o[d] = o[d] * rescale + p * load(cache, page, slot, d)
+                o[d] = o[d] * rescale + p * widen(cache[page, slot, d])
         for d in range(Dc):
             o[d] /= l
         lse[b, i, h] = m + math.log(l)
@@ -294,7 +278,7 @@ def _make_tiled_kernel(kind: str):
     # "float32x2" as uint64 words (half the loads and address arithmetic)
     packed = kind == "bfloat16x2"
     pairs = kind == "float32x2"
-    load = _make_flat_loader("bfloat16" if packed else kind)
+    widen1 = _make_widen("bfloat16" if packed else kind)   # one element, unpacked
 
     # Global reads go through flat 1-D views with unsigned offsets: the row offset of each slot
     # of the tile is computed once (slot_off), so a read is one add and one load (a 3-D signed
@@ -320,7 +304,7 @@ def _make_tiled_kernel(kind: str):
             return float32x4(bits_to_float(w0), bits_to_float(w1), float32(0.0), float32(0.0))
         v = cuda.local.array(4, float32)
         for e in range(4):
-            v[e] = load(flat, row_off + uint64(d + e)) if ok and d + e < width else float32(0.0)
+            v[e] = widen1(flat[row_off + uint64(d + e)]) if ok and d + e < width else float32(0.0)
         return float32x4(v[0], v[1], v[2], v[3])
 
     @cuda.jit(device=True, inline=True)
