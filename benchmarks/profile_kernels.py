@@ -44,7 +44,7 @@ def attention(bf16: bool = False):
     table = rng.permutation(pages).astype(np.int32).reshape(bs, pages)
     cache = rng.standard_normal((pages, 64, 576)).astype(np.float32)
     if bf16:
-        from ddtree_numba.validation import BFLOAT16
+        from ddtree_numba.arrays import BFLOAT16
 
         cache = cache.astype(BFLOAT16)
     ql = rng.standard_normal((bs, N, H, 512)).astype(np.float32)

@@ -12,12 +12,11 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from .arrays import host_values
+from .limits import ceil_words
+
 
 def _to_host(a):
-    if isinstance(a, np.ndarray):
-        return a
-    from .validation import host_values
-
     return host_values(a)
 
 
@@ -83,7 +82,7 @@ class DraftTree:
     @staticmethod
     def allocate(bs: int, N: int) -> DraftTree:
         """Numpy buffers of the right shapes and dtypes, filled with the padding values."""
-        W = (N + 31) // 32
+        W = ceil_words(N)
         return DraftTree(
             token_ids=np.full((bs, N), -1, np.int32),
             parents=np.full((bs, N), -1, np.int32),

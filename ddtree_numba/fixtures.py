@@ -21,10 +21,10 @@ import os
 import numpy as np
 
 from . import reference as ref
+from .arrays import BFLOAT16
 from .kdtr import load_kdtr, save_kdtr
 from .paging import shuffled_block_table
 from .toy import BigramTarget, noisy_drafter_logits
-from .validation import BFLOAT16
 
 
 def _random_topk(rng, bs, L, K, V):

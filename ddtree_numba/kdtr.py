@@ -37,7 +37,7 @@ import tempfile
 
 import numpy as np
 
-from .validation import BFLOAT16
+from .arrays import BFLOAT16
 
 MAGIC = b"KDTR"
 VERSION = 1

@@ -35,9 +35,9 @@ from numba import cuda
 
 from . import kernels
 from .device_ops import default_ops
-from .kernels.draft_topk import MAX_K
+from .limits import MAX_DEPTH, MAX_K, MAX_NODES
 from .paging import shuffled_block_table
-from .validation import MAX_DEPTH, MAX_NODES, require_int
+from .validation import require_int
 
 MODES = ("eager", "graph")
 

@@ -1,6 +1,7 @@
 """Argument checks shared by :mod:`ddtree_numba.reference` and :mod:`ddtree_numba.kernels`.
 
-This is the one place where the buffer contract of ``DESIGN.md`` is enforced. Every public
+This is the one place where the buffer contract (the *Buffer contracts* page of the docs) is
+enforced. Every public
 function of both packages calls the ``check_<stage>`` function of its stage before it touches
 anything, so a bad argument gets the same error from the numpy spec and from the GPU kernel:
 
@@ -24,87 +25,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-try:  # bfloat16 on the host comes from ml_dtypes (a dependency); keep the module importable.
-    import ml_dtypes
-
-    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover
-    BFLOAT16 = None
-
-INT32 = np.dtype(np.int32)
-UINT32 = np.dtype(np.uint32)
-FLOAT32 = np.dtype(np.float32)
-FLOAT16 = np.dtype(np.float16)
-BOOL = np.dtype(np.bool_)
-
-#: Largest node capacity N = budget + 1 supported by the GPU tree builder's static shared memory.
-MAX_NODES = 1056
-#: Largest draft depth L supported by the GPU kernels (tree depth is stored in int16 there).
-MAX_DEPTH = 64
-
-
-# --------------------------------------------------------------------------------------------
-# Array metadata without copies
-# --------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ArrayInfo:
-    """Shape and logical dtype of a host or device array, read without copying it."""
-
-    shape: tuple
-    dtype: np.dtype
-    on_device: bool
-    c_contiguous: bool
-
-
-def _torch_dtype_to_numpy(dtype) -> np.dtype:
-    name = str(dtype).replace("torch.", "")
-    if name == "bfloat16":
-        return BFLOAT16
-    if name == "bool":
-        return BOOL
-    return np.dtype(name)
-
-
-def array_info(name: str, a) -> ArrayInfo:
-    """Return :class:`ArrayInfo` for ``a`` or raise ``TypeError`` naming ``name``."""
-    if isinstance(a, np.ndarray):
-        return ArrayInfo(tuple(a.shape), a.dtype, False, bool(a.flags.c_contiguous))
-    if type(a).__module__.startswith("torch") and hasattr(a, "is_cuda"):
-        if not a.is_cuda:
-            raise TypeError(f"{name}: expected a numpy array or a CUDA tensor, got a CPU tensor")
-        return ArrayInfo(
-            tuple(a.shape), _torch_dtype_to_numpy(a.dtype), True, bool(a.is_contiguous())
-        )
-    cai = getattr(a, "__cuda_array_interface__", None)
-    if cai is not None:
-        shape = tuple(cai["shape"])
-        dtype = np.dtype(cai["typestr"])
-        strides = cai.get("strides")
-        contiguous = strides is None or tuple(strides) == _c_strides(shape, dtype.itemsize)
-        return ArrayInfo(shape, dtype, True, contiguous)
-    # numba's simulator arrays carry no CUDA array interface but behave like numpy arrays.
-    if type(a).__name__ == "FakeCUDAArray":
-        host = a._ary                               # the numpy array it wraps (no copy)
-        return ArrayInfo(tuple(host.shape), host.dtype, True, bool(host.flags.c_contiguous))
-    raise TypeError(
-        f"{name}: expected a numpy array or a CUDA device array, got {type(a).__name__}"
-    )
-
-
-def _c_strides(shape, itemsize):
-    strides, step = [], itemsize
-    for extent in reversed(shape):
-        strides.append(step)
-        step *= max(int(extent), 1)
-    return tuple(reversed(strides))
-
-
-def dtype_name(dtype: np.dtype) -> str:
-    return "bfloat16" if BFLOAT16 is not None and dtype == BFLOAT16 else np.dtype(dtype).name
-
-
-def describe(info: ArrayInfo) -> str:
-    return f"{dtype_name(info.dtype)}[{', '.join(str(s) for s in info.shape)}]"
+from .arrays import (
+    BFLOAT16,
+    FLOAT16,
+    FLOAT32,
+    INT32,
+    UINT32,
+    array_info,
+    describe,
+    dtype_name,
+    host_values,
+)
+from .limits import ceil_words
 
 
 def _expected(dtypes, dims) -> str:
@@ -149,25 +81,6 @@ def require_int(name: str, value, *, low: int | None = None, high: int | None = 
         hi = "inf" if high is None else high
         raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {value}")
     return value
-
-
-def host_values(a) -> np.ndarray:
-    """The values of ``a`` as a numpy array (a device-to-host copy for device arrays)."""
-    if isinstance(a, np.ndarray):
-        return a
-    if type(a).__module__.startswith("torch"):
-        import torch
-
-        if a.dtype == torch.bfloat16:
-            return a.view(torch.int16).cpu().numpy().view(BFLOAT16)
-        return a.cpu().numpy()
-    if hasattr(a, "copy_to_host"):
-        return a.copy_to_host()
-    if hasattr(a, "get"):  # CuPy
-        return a.get()
-    from numba import cuda
-
-    return cuda.as_cuda_array(a).copy_to_host()
 
 
 def _values_wanted(infos, check) -> bool:
@@ -227,7 +140,7 @@ class TreeSizes:
 
     @property
     def W(self) -> int:
-        return (self.N + 31) // 32
+        return ceil_words(self.N)
 
 
 def check_prefix_lens(prefix_lens, sizes: dict, values: bool):
@@ -347,7 +260,7 @@ def check_verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visi
         require_array("block_table", block_table, (INT32,), ("bs", "max_pages"), sizes),
         require_array("prefix_lens", prefix_lens, (INT32,), ("bs",), sizes),
     ]
-    sizes["W"] = (sizes["N"] + 31) // 32
+    sizes["W"] = ceil_words(sizes["N"])
     infos.append(require_array("visibility_bits", visibility_bits, (UINT32,),
                                ("bs", "N", "W"), sizes))
     infos.append(require_array("num_nodes", num_nodes, (INT32,), ("bs",), sizes))

@@ -10,6 +10,7 @@ from cases import random_parents, random_topk, random_tree_inputs
 from ddtree_numba import DraftTree
 from ddtree_numba import kernels as K
 from ddtree_numba import reference as ref
+from ddtree_numba.limits import ceil_words
 
 
 # ------------------------------------------------------------------------------------------
@@ -17,7 +18,7 @@ from ddtree_numba import reference as ref
 # ------------------------------------------------------------------------------------------
 def assert_tree_invariants(tree: DraftTree, prefix_lens=None):
     bs, N = tree.parents.shape
-    W = (N + 31) // 32
+    W = ceil_words(N)
     assert tree.visibility_bits.shape == (bs, N, W)
     for b in range(bs):
         n = int(tree.num_nodes[b])

@@ -18,7 +18,7 @@ import threading
 import numpy as np
 from numba import config, cuda
 
-from ..validation import BFLOAT16
+from ..arrays import BFLOAT16, array_source
 
 SIMULATOR: bool = bool(config.ENABLE_CUDASIM)
 
@@ -68,22 +68,23 @@ def as_device(a, *, bf16_as_bits: bool = True):
     """A numba device array viewing ``a`` (copied to the device if ``a`` is a numpy array).
 
     A bfloat16 array comes back as a ``uint16`` array of the same shape holding its bits.
+    Which conversion applies is decided by :func:`ddtree_numba.arrays.array_source`.
     """
-    if isinstance(a, np.ndarray):
+    source = array_source(a)
+    if source == "numpy":
         host = np.ascontiguousarray(a)
-        if BFLOAT16 is not None and host.dtype == BFLOAT16 and bf16_as_bits:
+        if host.dtype == BFLOAT16 and bf16_as_bits:
             host = host.view(np.uint16)
         return cuda.to_device(host, stream=launch_stream())
-    if type(a).__module__.startswith("torch"):
+    if source == "torch":
         import torch
 
         if a.dtype == torch.bfloat16:
-            a = a.view(torch.int16)
-            return cuda.as_cuda_array(a).view(np.uint16)
+            return cuda.as_cuda_array(a.view(torch.int16)).view(np.uint16)
         return cuda.as_cuda_array(a)
-    if type(a).__name__ == "FakeCUDAArray":  # simulator device array
+    if source == "simulator":
         return a
-    if hasattr(a, "__cuda_array_interface__"):
+    if source == "cuda":
         return cuda.as_cuda_array(a)
     raise TypeError(f"expected a numpy array or a CUDA device array, got {type(a).__name__}")
 

@@ -66,13 +66,13 @@ import numpy as np
 from numba import cuda, float32, int16, int32, uint32
 
 from ..contracts import DraftTree
-from ..validation import MAX_DEPTH, MAX_NODES, check_build_tree
+from ..limits import MAX_DEPTH, MAX_NODES, MAX_WORDS, ceil_words
+from ..validation import check_build_tree
 from ._device import SIMULATOR, as_device, device_empty, launch_stream, resolve_variant
 from ._primitives import float_of_key, key_of_float, warp_max_u32
 
 NODE_CAPACITY = MAX_NODES           # 1056 = 32 lanes x 33 nodes
 GROUP = NODE_CAPACITY // 32         # nodes owned by one lane in the warp tournament (33)
-MAX_WORDS = (NODE_CAPACITY + 31) // 32   # W for the largest N
 LP_CACHE = 4096                     # float32 log-probs staged in shared memory per request
 SELECT_THREADS = 128                # warp variant: 1 warp pops, 4 warps set up and write out
 FINISH_ROWS = 32                    # tree rows per block of the finish kernel
@@ -365,7 +365,7 @@ def _finish_kernel(top_token_ids, root_token_ids, prefix_lens, has_prefix, paren
 def allocate_tree(bs: int, N: int) -> DraftTree:
     """Device buffers for a :class:`~ddtree_numba.DraftTree` (the kernels write every
     element)."""
-    W = (N + 31) // 32
+    W = ceil_words(N)
     return DraftTree(
         token_ids=device_empty((bs, N), np.int32),
         parents=device_empty((bs, N), np.int32),

@@ -46,13 +46,14 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
-from ..validation import BFLOAT16, check_draft_topk
+from ..arrays import storage_kind
+from ..limits import MAX_K
+from ..validation import check_draft_topk
 from ._device import SIMULATOR, as_device, device_empty, launch_stream
 from ._primitives import bits_of_key, bits_to_float, float_of_key, orderable_key
 
 TOPK_THREADS = 32 if SIMULATOR else 512   # a power of two, at most MAX_THREADS
 MAX_THREADS = 512
-MAX_K = 1024
 BINS = 2048                  # radix digits per level: 11 + 11 + 10 bits
 TIE_CAP = 3072               # candidates taken from the threshold bin without refining
 SORT_CAP = 4096              # >= MAX_K - 1 + TIE_CAP, a power of two
@@ -337,8 +338,7 @@ def draft_topk(logits, k, *, check=None, out=None):
     sz = check_draft_topk(logits, k, check=check)
     if sz.k > MAX_K:
         raise ValueError(f"k: expected at most {MAX_K} (the shared-memory sort), got {sz.k}")
-    is_bf16 = (isinstance(logits, np.ndarray) and logits.dtype == BFLOAT16) or (
-        "bfloat16" in str(getattr(logits, "dtype", "")))
+    is_bf16 = storage_kind(logits) == "bfloat16"
     if SIMULATOR and is_bf16:               # the simulator has no bf16: widen exactly on host
         logits = np.asarray(logits).astype(np.float32)
         is_bf16 = False

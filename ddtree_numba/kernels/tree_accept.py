@@ -20,7 +20,8 @@ import numpy as np
 from numba import cuda, int32
 
 from ..contracts import AcceptResult
-from ..validation import MAX_NODES, check_tree_accept
+from ..limits import MAX_NODES
+from ..validation import check_tree_accept
 from ._device import SIMULATOR, as_device, device_empty, launch_stream
 
 # 1024 threads stage N <= 1056 entries in at most two rounds of loads: the staging costs one

@@ -92,7 +92,9 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 from numba.cuda import float32x4
 
-from ..validation import BFLOAT16, FLOAT16, check_verify_attn
+from ..arrays import storage_kind
+from ..limits import MAX_DC
+from ..validation import check_verify_attn
 from ._device import SIMULATOR, as_device, device_empty, launch_stream, resolve_variant
 from ._primitives import bits_to_float, float_to_bits
 
@@ -107,7 +109,6 @@ DCHUNK = 32             # dims per staged chunk of the score product
 GROUPS = DCHUNK // 4    # float32x4 vectors per chunk row
 ROW4 = GROUPS + 1       # Q / K / P^T row stride in vectors (36 words: conflict-free reads)
 VSLOTS = 8              # slots per staged latent sub-tile of the weighted sum (16 KB)
-MAX_DC = 512
 COL4 = MAX_DC // 4      # float32x4 vectors per latent row
 K_VECS = BN * ROW4      # K chunk (and then P^T), in vectors (shared shapes are literals)
 Q_VECS = BM * ROW4      # Q chunk, in vectors
@@ -599,14 +600,6 @@ def _kernel(variant: str, kind: str):
     return _KERNELS[key]
 
 
-def _storage_kind(kv_cache) -> str:
-    dtype = getattr(kv_cache, "dtype", None)
-    if isinstance(kv_cache, np.ndarray):
-        return "bfloat16" if dtype == BFLOAT16 else ("float16" if dtype == FLOAT16 else "float32")
-    name = str(dtype)
-    return "bfloat16" if "bfloat16" in name else ("float16" if "float16" in name else "float32")
-
-
 def sm_count() -> int:
     """Streaming multiprocessors of the current GPU (132 on the H200; 132 on the simulator)."""
     if SIMULATOR:
@@ -705,7 +698,7 @@ def verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visibility
     if sz.Dc > MAX_DC:
         raise ValueError(f"q_latent: expected Dc <= {MAX_DC}, got Dc = {sz.Dc}")
     variant = resolve_variant(variant, readable="readable", fast="tiled")
-    kind = _storage_kind(kv_cache)
+    kind = storage_kind(kv_cache)
     if SIMULATOR and kind == "bfloat16":        # no bf16 on the simulator: widen exactly
         kv_cache = np.asarray(kv_cache).astype(np.float32)
         kind = "float32"
