@@ -27,8 +27,8 @@ import cupy as cp
 import numpy as np
 from harness import Bench, print_table
 
-from ddtree_numba.demo import DemoSizes, build_step
-from ddtree_numba.toy_mla import ToyMLA, ToyMLAConfig
+from ddtree_numba.models.toy_mla import ToyMLA, ToyMLAConfig
+from ddtree_numba.step.demo import DemoSizes, build_step
 
 L, TOPK, STEPS = 15, 8, 20
 

@@ -52,7 +52,7 @@ if [ "$what" = attn ] || [ "$what" = all ]; then
 fi
 if [ "$what" = step ] || [ "$what" = all ]; then
     DDTREE_GPU=1 timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_greedy_step.py \
-        tests/test_toy_mla.py tests/test_device_ops.py 2>&1 | tee "$OUT/gpu_tests_step.log" | tail -8
+        tests/test_toy_mla.py tests/test_ops.py 2>&1 | tee "$OUT/gpu_tests_step.log" | tail -8
     timeout 240 python3 -m ddtree_numba demo --plot "$OUT/demo_tree.png" 2>&1 \
         | tee "$OUT/demo_gpu.log" | tail -12
     (cd benchmarks && OUT="$OUT" timeout 300 python3 bench_step.py) 2>&1 \

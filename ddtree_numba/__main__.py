@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     if args.command == "build-report":
         return _build_report(args)
     backend = choose_backend()
-    from .demo import run_demo
+    from .step.demo import run_demo
 
     print(f"ddtree_numba demo on the {backend}\n")
     run_demo(bs=args.bs, steps=args.steps, L=args.depth, k=args.topk, budget=args.budget,

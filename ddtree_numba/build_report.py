@@ -68,20 +68,28 @@ def parse_cc(text: str) -> tuple:
     return major, minor
 
 
-def _kernel_modules() -> list:
-    """The modules that define kernels: every ``kernels/*`` module and ``device_ops``."""
-    from . import kernels
+def _package_modules() -> list:
+    """Every module of the package, subpackages included (the command line excepted: it
+    defines no kernels)."""
+    import ddtree_numba
 
-    names = [f"{kernels.__name__}.{info.name}" for info in pkgutil.iter_modules(kernels.__path__)]
-    return [importlib.import_module(name) for name in [*names, f"{__package__}.device_ops"]]
+    return [importlib.import_module(info.name)
+            for info in pkgutil.walk_packages(ddtree_numba.__path__, prefix="ddtree_numba.")
+            if not info.name.endswith("__main__")]
+
+
+def _kernel_modules() -> list:
+    """The modules that declare kernels: those that define ``build_specs()``. A new kernel
+    module joins the report by defining it; :func:`unlisted_kernels` catches a kernel that no
+    module lists."""
+    return [m for m in _package_modules() if callable(getattr(m, "build_specs", None))]
 
 
 def kernel_specs() -> list:
     """Every specialisation listed by a kernel module's ``build_specs()``."""
     specs = []
     for module in _kernel_modules():
-        if hasattr(module, "build_specs"):
-            specs += module.build_specs()
+        specs += module.build_specs()
     return specs
 
 
@@ -91,7 +99,7 @@ def unlisted_kernels(specs) -> list:
 
     listed = {id(s.kernel) for s in specs}
     missing = []
-    for module in _kernel_modules():
+    for module in _package_modules():
         for name, value in vars(module).items():
             is_kernel = isinstance(value, CUDADispatcher) and not value.targetoptions.get("device")
             if is_kernel and id(value) not in listed:

@@ -23,8 +23,9 @@ import numpy as np
 from . import reference as ref
 from .arrays import BFLOAT16
 from .kdtr import load_kdtr, save_kdtr
+from .models.bigram import BigramTarget, noisy_drafter_logits
+from .models.toy_drafter import FixedDrafter
 from .paging import shuffled_block_table
-from .toy import BigramTarget, noisy_drafter_logits
 
 
 def _random_topk(rng, bs, L, K, V):
@@ -105,7 +106,8 @@ def stage_cases(rng) -> dict:
     draft = noisy_drafter_logits(target, roots, L, confidence=3.0, rng=rng)
     cache, table = _paged_cache(rng, bs, prefix, N + L + 1, page, 8)
     cache_before = cache.copy()
-    step = ref.greedy_step(draft, roots, target.forward, cache, table, prefix, k=K,
+    target.kv_cache = cache                     # the step commits into it in place
+    step = ref.greedy_step(target, FixedDrafter(draft), roots, table, prefix, k=K,
                            budget=budget)
     cases["greedy_step"] = {
         "in.draft_logits": draft, "in.root_token_ids": roots, "in.kv_cache": cache_before,

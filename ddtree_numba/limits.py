@@ -32,6 +32,10 @@ MAX_K = 1024
 #: Largest latent width ``Dc`` of ``verify_attn``'s tiled kernel: one staged latent sub-tile
 #: is ``8 x Dc`` float32 in shared memory (DeepSeek-V3 / Kimi-K2: 512).
 MAX_DC = 512
+#: Largest batch: kernels put the request index on a grid's y or z axis (at most 65535 blocks).
+MAX_BATCH = 65535
+#: Largest cache page size the step allocates (FlashMLA uses 64; 4096 is far past any engine's).
+MAX_PAGE_SIZE = 4096
 #: Positions and cache slots are int32 on the device: ``prefix_lens + N`` must stay below this.
 MAX_POSITION = 2**31 - 1
 #: Largest number of elements the host side will allocate for one buffer in a reference or in

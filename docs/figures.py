@@ -29,20 +29,19 @@ def _plt():
 def ddtree_step_figure(path: str) -> dict:
     """Run one reference greedy step on the toy MLA target; draw its tree and accepted path."""
     from ddtree_numba import reference as ref
-    from ddtree_numba.device_ops import HostOps
+    from ddtree_numba.models.toy_drafter import ToyDrafter
+    from ddtree_numba.models.toy_mla import ToyMLA, ToyMLAConfig
     from ddtree_numba.plot import draw_tree
-    from ddtree_numba.toy_mla import ToyMLA, ToyMLAConfig
 
     model = ToyMLA(ToyMLAConfig.tiny())
     start, L, k, budget = 0, 4, 3, 14
     continuation = np.array([[start, *model.greedy(start, 12)]], np.int32)
-    logits = np.empty((1, L, model.config.vocab), np.float32)
-    prefix = np.zeros(1, np.int32)
-    HostOps().draft(continuation, prefix, 0, 0.6, 8.0, 1.0, logits)   # seed 0, accuracy 0.6
-    cache = np.zeros((model.config.layers, 2, 16, model.config.row_width), np.float32)
-    table = np.array([[1, 0]], np.int32)
-    step = ref.greedy_step(logits, continuation[:, 0], model.forward_tree, cache, table, prefix,
-                           k=k, budget=budget)
+    drafter = ToyDrafter(continuation, vocab=model.config.vocab, accuracy=0.6, seed=0)
+    drafter.allocate(bs=1, L=L)
+    model.allocate(bs=1, N=budget + 1, num_pages=2, page_size=16, max_pages=2)
+    table, prefix = np.array([[1, 0]], np.int32), np.zeros(1, np.int32)
+    step = ref.greedy_step(model, drafter, continuation[:, 0], table, prefix, k=k,
+                           budget=budget)
     n = int(step.accept.accept_len[0])
     draw_tree(step.tree, 0, path, accepted=step.accept.accept_nodes[0, : n + 1],
               title=f"one greedy step: budget {budget}, K {k}, L {L}; the accepted path "

@@ -21,9 +21,10 @@ import time
 import numpy as np
 
 from ddtree_numba import GreedyStep
-from ddtree_numba.demo import checked_run
-from ddtree_numba.toy_mla import ToyMLA, ToyMLAConfig
-from ddtree_numba.toy_mla_device import DeviceToyMLA, ToyDrafter
+from ddtree_numba.models.toy_drafter import ToyDrafter
+from ddtree_numba.models.toy_mla import ToyMLA, ToyMLAConfig
+from ddtree_numba.models.toy_mla_device import DeviceToyMLA
+from ddtree_numba.step.demo import checked_run
 
 config = pick(ToyMLAConfig.tiny(), ToyMLAConfig.gpu())
 bs, L, K, budget, steps = pick((2, 4, 3, 12, 4), (4, 8, 8, 64, 12))

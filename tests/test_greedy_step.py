@@ -12,10 +12,12 @@ import pytest
 from ddtree_numba import GreedyStep
 from ddtree_numba import kernels as K
 from ddtree_numba import reference as ref
-from ddtree_numba.demo import DemoSizes, build_step, checked_run, run_demo
-from ddtree_numba.toy import BigramTarget, noisy_drafter_logits
-from ddtree_numba.toy_mla import ToyMLA, ToyMLAConfig
-from ddtree_numba.toy_mla_device import DeviceToyMLA, ToyDrafter
+from ddtree_numba.interfaces import Drafter, Target
+from ddtree_numba.models.bigram import BigramTarget, noisy_drafter_logits
+from ddtree_numba.models.toy_drafter import FixedDrafter, ToyDrafter
+from ddtree_numba.models.toy_mla import ToyMLA, ToyMLAConfig
+from ddtree_numba.models.toy_mla_device import DeviceToyMLA
+from ddtree_numba.step.demo import DemoSizes, build_step, checked_run, run_demo
 
 
 @pytest.mark.parametrize("budget", [0, 1, 16, 64])
@@ -26,12 +28,14 @@ def test_reference_step_is_lossless(budget, confidence):
     target = BigramTarget(vocab=50, row_width=4, seed=1)
     pages = (steps * (L + 1) + budget + 1 + page) // page + 1
     table = rng.permutation(bs * pages).astype(np.int32).reshape(bs, pages)
-    cache = np.zeros((bs * pages, page, 4), np.float32)
+    target.allocate(bs=bs, N=budget + 1, num_pages=bs * pages, page_size=page,
+                    max_pages=pages)
+    cache = target.kv_cache
     roots = rng.integers(0, 50, bs).astype(np.int32)
     start, prefix, emitted = roots.copy(), np.zeros(bs, np.int32), [[] for _ in range(bs)]
     for _ in range(steps):
         logits = noisy_drafter_logits(target, roots, L, confidence=confidence, rng=rng)
-        out = ref.greedy_step(logits, roots, target.forward, cache, table, prefix, k=k,
+        out = ref.greedy_step(target, FixedDrafter(logits), roots, table, prefix, k=k,
                               budget=budget)
         for b in range(bs):
             kb = int(out.accept.accept_len[b])
@@ -46,6 +50,18 @@ def test_reference_step_is_lossless(budget, confidence):
         for pos, tok in enumerate(tokens):
             row = cache[table[b, pos // page], pos % page]
             np.testing.assert_array_equal(row, target.cache_row(tok, pos))
+
+
+def test_models_implement_the_step_interfaces():
+    """One Target / Drafter interface for both steps: the numpy models for the reference step,
+    the device ones for GreedyStep."""
+    model = ToyMLA(ToyMLAConfig.tiny())
+    assert isinstance(model, Target) and isinstance(DeviceToyMLA(model), Target)
+    assert isinstance(BigramTarget(vocab=8, row_width=2), Target)
+    drafter = ToyDrafter(np.zeros((1, 4), np.int32), vocab=64)
+    assert isinstance(drafter, Drafter)
+    assert isinstance(FixedDrafter(np.zeros((1, 2, 64), np.float32)), Drafter)
+    assert not isinstance(object(), Target)
 
 
 # -- GreedyStep ------------------------------------------------------------------------------
@@ -159,15 +175,24 @@ def test_greedy_step_errors_are_clear():
         make(bs=3)
     with pytest.raises(ValueError, match="accuracy"):
         ToyDrafter(np.zeros((2, 40), np.int32), vocab=TINY.vocab, accuracy=1.5)
+    with pytest.raises(ValueError, match="max_steps"):
+        make(max_steps=2**40)                           # petabytes of cache: refused, named
+    with pytest.raises(ValueError, match="page_size"):
+        make(page_size=2**40)
     step = make()
     with pytest.raises(RuntimeError, match="start"):
         step()
+    with pytest.raises(RuntimeError, match="last_step"):
+        step.last_step()                                # nothing written yet: no garbage
     with pytest.raises(ValueError, match="root_token_ids"):
         step.start(np.array([0, TINY.vocab], np.int32))
     with pytest.raises(ValueError, match="root_token_ids"):
         step.start(np.array([0, 1, 2], np.int32))
     step.start(np.array([1, 2], np.int32))
+    with pytest.raises(RuntimeError, match="last_step"):
+        step.last_step()
     step()
+    assert step.last_step()["tree"].num_nodes.shape == (2,)
     step()
     with pytest.raises(RuntimeError, match="max_steps"):
         step()

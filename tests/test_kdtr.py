@@ -229,13 +229,14 @@ def test_golden_tree_accept_and_commit_kv():
 
 
 def test_golden_greedy_step():
-    from ddtree_numba.toy import BigramTarget
+    from ddtree_numba.models.bigram import BigramTarget
+    from ddtree_numba.models.toy_drafter import FixedDrafter
 
     x, want = fixture("greedy_step")
     target = BigramTarget(vocab=x["toy_next_of"].size, row_width=x["toy_embedding"].shape[1])
     target.next_of, target.embedding = x["toy_next_of"], x["toy_embedding"]
-    cache = x["kv_cache"].copy()
-    step = ref.greedy_step(x["draft_logits"], x["root_token_ids"], target.forward, cache,
+    cache = target.kv_cache = x["kv_cache"].copy()
+    step = ref.greedy_step(target, FixedDrafter(x["draft_logits"]), x["root_token_ids"],
                            x["block_table"], x["prefix_lens"], k=int(x["k"]),
                            budget=int(x["budget"]))
     np.testing.assert_array_equal(step.tree.parents, want["tree.parents"])

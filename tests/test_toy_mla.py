@@ -17,10 +17,11 @@ from numba import cuda
 
 from ddtree_numba import kernels as K
 from ddtree_numba import reference as ref
-from ddtree_numba.device_ops import HostOps, KernelOps
+from ddtree_numba.models.dense_ops import HostDenseOps, KernelDenseOps
+from ddtree_numba.models.toy_mla import ToyMLA, ToyMLAConfig
+from ddtree_numba.models.toy_mla_device import DeviceToyMLA
 from ddtree_numba.paging import shuffled_block_table
-from ddtree_numba.toy_mla import ToyMLA, ToyMLAConfig
-from ddtree_numba.toy_mla_device import DeviceToyMLA
+from ddtree_numba.reference.greedy_step import argmax_per_node
 
 LOGIT_TOL = 1e-4
 ROW_TOL = 1e-5
@@ -91,8 +92,11 @@ def absorbed_vs_plain(config, ops, *, bs, budget, prefix_lens, page_size, seed):
     table, num_pages = shuffled_block_table(rng, prefix_lens, N, page_size)
     cache = (rng.standard_normal((config.layers, num_pages, page_size, config.row_width))
              .astype(np.float32))                            # prefix rows: anything
-    want_cache = cache.copy()
-    predict = model.forward_tree(tree, want_cache, table, prefix_lens)
+    model.allocate(bs=bs, N=N, num_pages=num_pages, page_size=page_size,
+                   max_pages=table.shape[1])
+    want_cache = model.kv_cache
+    want_cache[:] = cache
+    predict = argmax_per_node(model.forward(tree, table, prefix_lens), tree.num_nodes)
 
     device = DeviceToyMLA(model, ops=ops)
     device.allocate(bs=bs, N=N, num_pages=num_pages, page_size=page_size,
@@ -115,7 +119,7 @@ def absorbed_vs_plain(config, ops, *, bs, budget, prefix_lens, page_size, seed):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_absorbed_forward_matches_plain_forward(seed):
-    ops = HostOps() if ON_SIMULATOR else KernelOps()
+    ops = HostDenseOps() if ON_SIMULATOR else KernelDenseOps()
     absorbed_vs_plain(ToyMLAConfig.tiny(seed=seed), ops, bs=3, budget=9,
                       prefix_lens=[5, 0, 17], page_size=4, seed=seed)
 
@@ -123,14 +127,14 @@ def test_absorbed_forward_matches_plain_forward(seed):
 def test_absorbed_forward_with_the_dense_kernels():
     """The same check with every dense operation a numba kernel (slow on the simulator)."""
     config = ToyMLAConfig.tiny(layers=1, hidden=16, ffn=16, vocab=24)
-    absorbed_vs_plain(config, KernelOps(), bs=2, budget=3, prefix_lens=[2, 0], page_size=4,
+    absorbed_vs_plain(config, KernelDenseOps(), bs=2, budget=3, prefix_lens=[2, 0], page_size=4,
                       seed=5)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bs,budget", [(1, 64), (4, 256)])
 def test_absorbed_forward_matches_plain_forward_gpu_size(bs, budget):
-    absorbed_vs_plain(ToyMLAConfig.gpu(vocab=1024), KernelOps(), bs=bs, budget=budget,
+    absorbed_vs_plain(ToyMLAConfig.gpu(vocab=1024), KernelDenseOps(), bs=bs, budget=budget,
                       prefix_lens=[100, 0, 700, 64][:bs], page_size=64, seed=bs)
 
 

@@ -8,12 +8,13 @@ Each function validates its inputs with :mod:`ddtree_numba.validation`, computes
 from .build_tree import best_first, build_tree, pack_bits, tree_from_parents, unpack_bits
 from .commit_kv import commit_kv
 from .draft_topk import draft_topk, log_softmax_f64
-from .greedy_step import StepOutput, greedy_step
+from .greedy_step import StepOutput, argmax_per_node, greedy_step
 from .tree_accept import tree_accept
 from .verify_attn import deepseek_sm_scale, gather_slots, plain_mla_attention, verify_attn
 
 __all__ = [
     "StepOutput",
+    "argmax_per_node",
     "best_first",
     "build_tree",
     "commit_kv",

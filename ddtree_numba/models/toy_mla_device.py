@@ -1,5 +1,5 @@
-"""The toy MLA model and the toy drafter on the device: what :class:`~ddtree_numba.GreedyStep`
-runs around the DDTree kernels.
+"""The toy MLA model on the device: the :class:`~ddtree_numba.interfaces.Target` that
+:class:`~ddtree_numba.GreedyStep` runs around the DDTree kernels.
 
 :class:`DeviceToyMLA` is the target forward in the *absorbed* form that MLA decoding kernels
 use (DeepSeek-V3's inference code, FlashMLA). Per layer, for every tree node at once::
@@ -16,16 +16,9 @@ use (DeepSeek-V3's inference code, FlashMLA). Per layer, for every tree node at 
     logits   = rms_norm(x) lm_head
 
 so attention reads each cached 576-wide row once for all heads instead of expanding per-head
-keys and values (the plain form of :mod:`ddtree_numba.toy_mla`, which defines the result).
+keys and values (the plain form of :mod:`ddtree_numba.models.toy_mla`, which defines the result).
 Both use the same cache rows; ``tests/test_toy_mla.py`` states and checks the bound between
 them.
-
-:class:`ToyDrafter` stands in for a trained block drafter (DDTree's block-diffusion drafter):
-it is given the target's plain greedy continuation of each request and produces, for the ``L``
-positions after the root, logits that put a bonus on the right token with probability
-``accuracy`` (else on a wrong guess, with a smaller bonus on the right one) plus noise. It is a
-*noisy view of the target's own continuation*, a knob for how often the drafter agrees with the
-target, not a model.
 """
 
 from __future__ import annotations
@@ -33,8 +26,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from . import kernels as K
-from .device_ops import default_ops, rope_inv_freq
+from .. import kernels as K
+from .dense_ops import default_dense_ops, rope_inv_freq
 from .toy_mla import RMS_EPS, ToyMLA
 
 
@@ -48,7 +41,7 @@ class DeviceToyMLA:
     def __init__(self, model: ToyMLA, *, ops=None):
         self.model = model
         self.config = c = model.config
-        self.ops = ops if ops is not None else default_ops()
+        self.ops = ops if ops is not None else default_dense_ops()
         self.vocab = c.vocab
         H, dn, Dr = c.heads, c.qk_nope_dim, c.qk_rope_dim
         self.embed = K.as_device(model.embed)
@@ -139,47 +132,4 @@ class DeviceToyMLA:
             ops.linear(self.act, w["w_down"], x, residual=x)
         ops.rms_norm(x, self.final_norm, h, RMS_EPS)
         ops.linear(h, self.lm_head, self.logits)
-        return self.logits
-
-
-class ToyDrafter:
-    """Drafter logits ``float32[bs, L, V]`` from a noisy view of the target's continuation.
-
-    Parameters
-    ----------
-    continuation : numpy.ndarray
-        ``int32[bs, S]``: each request's plain greedy sequence by position (position 0 is the
-        start token), e.g. from :meth:`~ddtree_numba.toy_mla.ToyMLA.greedy`.
-    vocab : int
-    accuracy : float
-        Probability that the drafter's top guess at a position is the target's token.
-    confidence : float
-        Logit bonus of the guess (the right token gets ``0.7 * confidence`` when the guess is
-        wrong).
-    noise : float
-        Scale of the logit noise: Irwin-Hall(4), mean 0, variance 1, bounded by ``2 sqrt(3)``;
-        so with ``confidence > 4 sqrt(3) noise`` (the default 8 > 6.93) the guess is always the
-        drafter's top token, and ``accuracy`` is exactly how often that top token is right.
-    seed : int
-    """
-
-    def __init__(self, continuation, *, vocab: int, accuracy: float = 0.8,
-                 confidence: float = 8.0, noise: float = 1.0, seed: int = 0, ops=None):
-        if not 0.0 <= accuracy <= 1.0:
-            raise ValueError(f"accuracy: expected a probability in [0, 1], got {accuracy!r}")
-        self.continuation = np.ascontiguousarray(continuation, np.int32)
-        self.vocab, self.accuracy, self.confidence = vocab, accuracy, confidence
-        self.noise, self.seed = noise, seed
-        self.ops = ops if ops is not None else default_ops()
-
-    def allocate(self, *, bs: int, L: int) -> None:
-        if self.continuation.ndim != 2 or self.continuation.shape[0] != bs:
-            raise ValueError(f"continuation: expected int32[{bs}, S], got shape "
-                             f"{list(self.continuation.shape)}")
-        self.continuation_device = K.as_device(self.continuation)
-        self.logits = cuda.device_array((bs, L, self.vocab), np.float32)
-
-    def draft(self, root_token_ids, prefix_lens):
-        self.ops.draft(self.continuation_device, prefix_lens, self.seed, self.accuracy,
-                       self.confidence, self.noise, self.logits)
         return self.logits

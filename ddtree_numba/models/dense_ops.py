@@ -1,16 +1,15 @@
-"""Device operations around the DDTree stages, in two interchangeable backends.
+"""The toy MLA target's dense layers, in two interchangeable backends.
 
-The greedy step needs more than the five DDTree kernels: the toy target's dense layers (embed,
-RMSNorm, matrix products, RoPE, the cache-row write, SiLU), the toy drafter's logits, the argmax
-of the target's logits, and the bookkeeping that advances each request after a step.
+Embedding, RMSNorm, grouped matrix products, RoPE, the cache-row write and SiLU: what
+:class:`~ddtree_numba.models.toy_mla_device.DeviceToyMLA` runs around ``kernels.verify_attn``.
 
-:class:`KernelOps` launches small numba.cuda kernels (one per operation, every output
-preallocated, so a whole step can be captured in a CUDA graph). :class:`HostOps` does the same
-arithmetic in numpy on the simulator's device arrays, in place: numba's CUDA simulator runs one
-Python thread per CUDA thread, which makes even a small matrix product take a second, so the
-demo and the end-to-end tests on the simulator use :class:`HostOps` here and the package's real
-kernels for every DDTree stage and for attention. ``default_ops()`` picks one; tests check
-every kernel against its numpy twin.
+:class:`KernelDenseOps` launches small numba.cuda kernels (one per operation, every output
+preallocated, so a whole step can be captured in a CUDA graph). :class:`HostDenseOps` does the
+same arithmetic in numpy on numpy arrays or the simulator's device arrays, in place: numba's
+CUDA simulator runs one Python thread per CUDA thread, which makes even a small matrix product
+take a second, so the demo and the end-to-end tests on the simulator use the twins here and the
+package's real kernels for every DDTree stage and for attention. :func:`default_dense_ops`
+picks one; ``tests/test_ops.py`` checks every kernel against its numpy twin.
 
 These are plumbing, not DDTree stages: written plainly (a 16 x 16 shared-memory tile for the
 matrix product, one block per row for the reductions) and not tuned.
@@ -24,23 +23,14 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, float64, int32, uint64
+from numba import cuda, float32, float64
 
-from .kernels._device import SIMULATOR, launch_stream
+from ..arrays import host_view
+from ..kernels._device import SIMULATOR, launch_stream
 
 TILE = 16            # linear: a TILE x TILE block computes a TILE x TILE output tile
 TILE_PAD = 17        # TILE + 1 (shared-array shapes must be literal constants)
 ROW_THREADS = 128    # per-row kernels: threads per block (one block per row)
-
-
-def host_view(a) -> np.ndarray:
-    """``a`` itself for a numpy array; the numpy array behind a simulator device array."""
-    if isinstance(a, np.ndarray):
-        return a
-    if type(a).__name__ == "FakeCUDAArray":
-        return a._ary
-    raise TypeError(f"HostOps works on numpy arrays and the CUDA simulator's device arrays, "
-                    f"got {type(a).__name__}; use KernelOps on a GPU")
 
 
 def rope_inv_freq(rope_dim: int, theta: float) -> np.ndarray:
@@ -188,124 +178,9 @@ def _silu_mul_kernel(gate_up, out):
         out[t, f] = g / (float32(1) + math.exp(-g)) * gate_up[t, width + f]
 
 
-@cuda.jit
-def _argmax_kernel(logits, num_nodes, predict):
-    """``predict[b, j] = argmax(logits[b N + j])`` (first index on ties), ``-1`` on padding.
-
-    One block per row: each thread scans columns ``tid, tid + 128, ...`` keeping its first
-    maximum, then a tree reduction in shared memory keeps the larger value, and on equal
-    values the smaller index.
-    """
-    t, tid = cuda.blockIdx.x, cuda.threadIdx.x
-    n_cap = predict.shape[1]
-    b, j = t // n_cap, t % n_cap
-    if j >= num_nodes[b]:
-        if tid == 0:
-            predict[b, j] = -1
-        return                      # uniform per block: no barrier is skipped by half a block
-    best_value = cuda.shared.array(ROW_THREADS, float32)
-    best_index = cuda.shared.array(ROW_THREADS, int32)
-    value, index = float32(-math.inf), int32(-1)
-    for col in range(tid, logits.shape[1], ROW_THREADS):
-        if logits[t, col] > value or index < 0:
-            value, index = logits[t, col], int32(col)
-    best_value[tid], best_index[tid] = value, index
-    cuda.syncthreads()              # every thread's candidate is in shared memory
-    stride = ROW_THREADS // 2
-    while stride > 0:
-        if tid < stride:
-            other_v, other_i = best_value[tid + stride], best_index[tid + stride]
-            if other_i >= 0 and (other_v > best_value[tid] or (
-                    other_v == best_value[tid] and other_i < best_index[tid])):
-                best_value[tid], best_index[tid] = other_v, other_i
-        cuda.syncthreads()          # this level is complete before the next reads it
-        stride //= 2
-    if tid == 0:
-        predict[b, j] = best_index[0]
-
-
-# -- the toy drafter and the step's bookkeeping -----------------------------------------------
-
-MASK32 = 0xFFFFFFFF
-SQRT3 = 1.7320508075688772
-RUNNER_UP = 0.7       # the true token's share of the bonus when the drafter's guess is wrong
-
-
-@cuda.jit(device=True, inline=True)
-def _mix(h):
-    """murmur3's 32-bit finaliser (on a uint64 holding 32 bits): a well-mixed hash."""
-    h ^= h >> uint64(16)
-    h = (h * uint64(0x85EBCA6B)) & uint64(MASK32)
-    h ^= h >> uint64(13)
-    h = (h * uint64(0xC2B2AE35)) & uint64(MASK32)
-    h ^= h >> uint64(16)
-    return h
-
-
-@cuda.jit(device=True, inline=True)
-def _hash(seed, b, position, lane):
-    """A 32-bit hash of ``(seed, request, position, lane)``: the drafter's random source."""
-    return _mix(_mix(_mix(_mix(uint64(seed)) ^ uint64(b)) ^ uint64(position)) ^ uint64(lane))
-
-
-@cuda.jit(device=True, inline=True)
-def _unit(h):
-    """A float32 in [0, 1) from the top 24 bits of a hash (exact)."""
-    return float32(h >> uint64(8)) * float32(1.0 / 16777216.0)
-
-
-@cuda.jit
-def _draft_kernel(continuation, prefix_lens, seed, accuracy, confidence, noise_scale, logits):
-    """Toy block-drafter logits: a noisy view of the target's own greedy continuation.
-
-    Block ``(d, b)`` writes ``logits[b, d, :]`` for the token at position ``P + 1 + d``
-    (``P = prefix_lens[b]`` is the root's position). With ``u`` a hash of ``(b, position)``:
-    if ``u < accuracy`` the bonus ``confidence`` goes to the true token
-    ``continuation[b, position]``; otherwise to a hashed wrong guess, and the true token gets
-    ``RUNNER_UP * confidence`` (so a wider tree can still catch it). Every logit adds
-    ``noise_scale`` times an Irwin-Hall(4) approximation of a standard normal.
-    """
-    d, b = cuda.blockIdx.x, cuda.blockIdx.y
-    vocab = logits.shape[2]
-    position = prefix_lens[b] + 1 + d
-    true_token = continuation[b, position] if position < continuation.shape[1] else -1
-    agree = _unit(_hash(seed, b, position, vocab)) < accuracy
-    guess = true_token
-    if not agree or true_token < 0:
-        guess = int32(_hash(seed, b, position, vocab + 1) % uint64(vocab))
-    for v in range(cuda.threadIdx.x, vocab, cuda.blockDim.x):
-        u = float32(0)
-        for k in range(4):
-            u += _unit(_hash(seed, b, position, 4 * v + k + 2 * vocab))
-        value = noise_scale * ((u - float32(2)) * float32(SQRT3))
-        if v == guess:
-            value += confidence
-        elif v == true_token:
-            value += float32(RUNNER_UP) * confidence
-        logits[b, d, v] = value
-
-
-@cuda.jit
-def _advance_kernel(accept_tokens, accept_len, bonus_token, new_prefix_lens, prefix_lens,
-                    root_token_ids, emitted, emitted_count):
-    """After a step, per request ``b`` (one thread each): append the ``k + 1`` committed tokens
-    to ``emitted[b]``, then make the committed lengths and the bonus token the next step's
-    ``prefix_lens`` and root. (``commit_kv`` writes ``new_prefix_lens`` to a buffer of its own:
-    its threads read ``prefix_lens`` while others would be writing it.)"""
-    b = cuda.grid(1)
-    if b >= prefix_lens.shape[0]:
-        return
-    base, k = emitted_count[b], accept_len[b]
-    for i in range(k + 1):
-        emitted[b, base + i] = accept_tokens[b, i]
-    emitted_count[b] = base + k + 1
-    prefix_lens[b] = new_prefix_lens[b]
-    root_token_ids[b] = bonus_token[b]
-
-
 # -- the two backends ------------------------------------------------------------------------
 
-class KernelOps:
+class KernelDenseOps:
     """The dense operations as numba.cuda launches on the current stream (no allocation)."""
 
     name = "kernels"
@@ -336,25 +211,7 @@ class KernelOps:
     def silu_mul(self, gate_up, out):
         _silu_mul_kernel[out.shape[0], ROW_THREADS, launch_stream()](gate_up, out)
 
-    def argmax(self, logits, num_nodes, predict):
-        _argmax_kernel[logits.shape[0], ROW_THREADS, launch_stream()](logits, num_nodes,
-                                                                     predict)
-
-    def draft(self, continuation, prefix_lens, seed, accuracy, confidence, noise_scale, logits):
-        bs, L, _ = logits.shape
-        _draft_kernel[(L, bs), ROW_THREADS, launch_stream()](
-            continuation, prefix_lens, np.uint32(seed), np.float32(accuracy),
-            np.float32(confidence), np.float32(noise_scale), logits)
-
-    def advance(self, accept, new_prefix_lens, prefix_lens, root_token_ids, emitted,
-                emitted_count):
-        bs = prefix_lens.shape[0]
-        _advance_kernel[(bs + 31) // 32, 32, launch_stream()](
-            accept.accept_tokens, accept.accept_len, accept.bonus_token, new_prefix_lens,
-            prefix_lens, root_token_ids, emitted, emitted_count)
-
-
-class HostOps:
+class HostDenseOps:
     """The same operations in numpy float32, in place on numpy arrays or on the simulator's
     device arrays (the twins that the kernels are tested against)."""
 
@@ -403,66 +260,6 @@ class HostOps:
         g, u = gu[:, : o.shape[1]], gu[:, o.shape[1]:]
         o[:] = g / (np.float32(1) + np.exp(-g)) * u
 
-    def argmax(self, logits, num_nodes, predict):
-        p = host_view(predict)
-        bs, n_cap = p.shape
-        best = np.argmax(host_view(logits), axis=1).astype(np.int32).reshape(bs, n_cap)
-        valid = np.arange(n_cap)[None, :] < host_view(num_nodes)[:, None]
-        p[:] = np.where(valid, best, -1)
-
-    def draft(self, continuation, prefix_lens, seed, accuracy, confidence, noise_scale, logits):
-        out, cont = host_view(logits), host_view(continuation)
-        bs, L, vocab = out.shape
-        b = np.arange(bs)[:, None]                                          # [bs, 1]
-        position = host_view(prefix_lens)[:, None].astype(np.int64) + 1 + np.arange(L)
-        inside = position < cont.shape[1]
-        true_token = np.where(inside, cont[b, np.minimum(position, cont.shape[1] - 1)], -1)
-        agree = _unit_host(_hash_host(seed, b, position, vocab)) < np.float32(accuracy)
-        wrong = (_hash_host(seed, b, position, vocab + 1) % vocab).astype(np.int64)
-        guess = np.where(agree & (true_token >= 0), true_token, wrong)     # [bs, L]
-        v = np.arange(vocab)
-        u = np.zeros((bs, L, vocab), np.float32)
-        for k in range(4):
-            u += _unit_host(_hash_host(seed, b[..., None], position[..., None],
-                                       4 * v + k + 2 * vocab))
-        value = np.float32(noise_scale) * ((u - np.float32(2)) * np.float32(SQRT3))
-        bonus = np.where(v == guess[..., None], np.float32(confidence),
-                         np.where(v == true_token[..., None],
-                                  np.float32(RUNNER_UP) * np.float32(confidence), 0))
-        out[:] = value + bonus.astype(np.float32)
-
-    def advance(self, accept, new_prefix_lens, prefix_lens, root_token_ids, emitted,
-                emitted_count):
-        tokens, k = host_view(accept.accept_tokens), host_view(accept.accept_len)
-        out, count = host_view(emitted), host_view(emitted_count)
-        for b in range(len(k)):
-            out[b, count[b]: count[b] + k[b] + 1] = tokens[b, : k[b] + 1]
-        count += k + 1
-        host_view(prefix_lens)[:] = host_view(new_prefix_lens)
-        host_view(root_token_ids)[:] = host_view(accept.bonus_token)
-
-
-def _mix_host(h):
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & MASK32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & MASK32
-    return h ^ (h >> 16)
-
-
-def _hash_host(seed, b, position, lane):
-    """numpy twin of the kernels' ``_hash`` (uint64 arrays, same bits)."""
-    def u64(x):
-        return np.asarray(x).astype(np.uint64)
-
-    return _mix_host(_mix_host(_mix_host(_mix_host(u64(seed)) ^ u64(b)) ^ u64(position))
-                     ^ u64(lane))
-
-
-def _unit_host(h):
-    return (h >> 8).astype(np.float32) * np.float32(1.0 / 16777216.0)
-
-
 def _rotate_host(pairs, positions, inv_freq):
     """In place: rotate ``pairs [T, G, Dr/2, 2]`` by ``positions[t] * inv_freq`` (float64)."""
     angle = positions.astype(np.float64)[:, None, None] * inv_freq        # [T, 1, Dr/2]
@@ -472,35 +269,29 @@ def _rotate_host(pairs, positions, inv_freq):
     pairs[..., 1] = even * sin + odd * cos
 
 
-def default_ops():
-    """:class:`HostOps` on the simulator (fast enough for the demo), :class:`KernelOps` on a
-    GPU."""
-    return HostOps() if SIMULATOR else KernelOps()
+def default_dense_ops():
+    """:class:`HostDenseOps` on the simulator (fast enough for the demo),
+    :class:`KernelDenseOps` on a GPU."""
+    return HostDenseOps() if SIMULATOR else KernelDenseOps()
 
 
 def build_specs():
     """Specialisations of the dense kernels (for the build report)."""
     from numba import types
 
-    from .kernels._specs import KernelSpec
+    from ..kernels._specs import KernelSpec
 
     f1, f2, f3 = types.float32[::1], types.float32[:, ::1], types.float32[:, :, ::1]
     i1, i2 = types.int32[::1], types.int32[:, ::1]
     d1 = types.float64[::1]
     return [
-        KernelSpec("device_ops", "embed", _embed_kernel, (i1, f2, f2), ROW_THREADS, True),
-        KernelSpec("device_ops", "rms_norm", _rms_norm_kernel, (f2, f1, f2, types.float32),
+        KernelSpec("dense_ops", "embed", _embed_kernel, (i1, f2, f2), ROW_THREADS, True),
+        KernelSpec("dense_ops", "rms_norm", _rms_norm_kernel, (f2, f1, f2, types.float32),
                    ROW_THREADS, True),
-        KernelSpec("device_ops", "linear", _linear_kernel, (f2, f3, f2, f2, types.boolean),
+        KernelSpec("dense_ops", "linear", _linear_kernel, (f2, f3, f2, f2, types.boolean),
                    TILE * TILE, True),
-        KernelSpec("device_ops", "rope", _rope_kernel, (f2, i1, d1), ROW_THREADS, True),
-        KernelSpec("device_ops", "kv_write", _kv_write_kernel,
+        KernelSpec("dense_ops", "rope", _rope_kernel, (f2, i1, d1), ROW_THREADS, True),
+        KernelSpec("dense_ops", "kv_write", _kv_write_kernel,
                    (f2, f1, d1, i2, i1, i1, i2, f3, types.float32), ROW_THREADS, True),
-        KernelSpec("device_ops", "silu_mul", _silu_mul_kernel, (f2, f2), ROW_THREADS, True),
-        KernelSpec("device_ops", "argmax", _argmax_kernel, (f2, i1, i2), ROW_THREADS, True),
-        KernelSpec("device_ops", "draft", _draft_kernel,
-                   (i2, i1, types.uint32, types.float32, types.float32, types.float32, f3),
-                   ROW_THREADS, True),
-        KernelSpec("device_ops", "advance", _advance_kernel, (i2, i1, i1, i1, i1, i1, i2, i1),
-                   32, True),
+        KernelSpec("dense_ops", "silu_mul", _silu_mul_kernel, (f2, f2), ROW_THREADS, True),
     ]

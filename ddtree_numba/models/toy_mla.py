@@ -17,9 +17,11 @@ layout of ``kernels.verify_attn`` and FlashMLA; ``kv_cache`` is ``[layers, num_p
 page_size, Dc + Dr]``, one paged cache per layer sharing the block table.
 
 This module is the *plain* (non-absorbed) form in numpy float64: keys and values are expanded
-per head from the cached latent. The device forward (:mod:`ddtree_numba.toy_mla_device`) uses
-the *absorbed* form: ``q_nope . (c W_UK) = (W_UK q_nope) . c``, so attention runs on the latent
-directly and ``W_UV`` is applied once to the attention output.
+per head from the cached latent. :class:`ToyMLA` is also a
+:class:`~ddtree_numba.interfaces.Target` on numpy arrays (what ``reference.greedy_step`` runs).
+The device forward (:mod:`ddtree_numba.models.toy_mla_device`) uses the *absorbed* form:
+``q_nope . (c W_UK) = (W_UK q_nope) . c``, so attention runs on the latent directly and
+``W_UV`` is applied once to the attention output.
 
 RoPE pairs adjacent dims ``(2i, 2i + 1)`` (DeepSeek's complex-number form) with frequency
 ``theta ** (-2 i / Dr)``. ``sm_scale = 1 / sqrt(dn + Dr)``; the toy has no YaRN scaling (the
@@ -32,8 +34,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .contracts import DraftTree
-from .reference.commit_kv import slot_address
+from ..contracts import DraftTree
+from ..reference.commit_kv import slot_address
 
 RMS_EPS = 1e-6
 
@@ -132,6 +134,7 @@ class ToyMLA:
     def __init__(self, config: ToyMLAConfig):
         config.validate()
         self.config = c = config
+        self.vocab = c.vocab
         rng = np.random.default_rng(c.seed)
 
         def init(*shape, fan_in):
@@ -209,26 +212,39 @@ class ToyMLA:
             x = x + (silu(gate_up[:, : c.ffn]) * gate_up[:, c.ffn:]) @ w.w_down
         return rms_norm(x, self.final_norm) @ self.lm_head, new_rows
 
-    def forward_tree(self, tree: DraftTree, kv_cache, block_table, prefix_lens) -> np.ndarray:
-        """Target forward of a greedy step (``reference.greedy_step``'s callback).
+    # -- the Target interface (numpy: what reference.greedy_step runs) ---------------------
+    def allocate(self, *, bs: int, N: int, num_pages: int, page_size: int,
+                 max_pages: int) -> None:
+        """A zeroed numpy cache ``float32[layers, num_pages, page_size, Dc + Dr]``."""
+        c = self.config
+        self.sizes = (bs, N)
+        self.kv_cache = np.zeros((c.layers, num_pages, page_size, c.row_width), np.float32)
 
-        Writes node ``j``'s row at slot ``P + j`` of every layer of ``kv_cache``
-        (``[layers, num_pages, page_size, Dc + Dr]``) and returns the argmax at every node,
-        ``int32[bs, N]`` (``-1`` on padding).
+    def kv_caches(self) -> list:
+        """One ``[num_pages, page_size, Dc + Dr]`` cache per layer (views of ``kv_cache``)."""
+        return [self.kv_cache[layer] for layer in range(self.config.layers)]
+
+    def forward(self, tree: DraftTree, block_table, prefix_lens) -> np.ndarray:
+        """The plain-form forward of every tree node (:class:`~ddtree_numba.interfaces.Target`).
+
+        Writes node ``j``'s row at slot ``P + j`` of every layer's cache and returns the logits
+        ``float64[bs * N, V]`` (zeros on padding rows).
         """
         tree = tree.to_host()
-        page_size = kv_cache.shape[2]
-        predict = np.full(tree.token_ids.shape, -1, np.int32)
-        for b in range(tree.batch_size):
+        block_table, prefix_lens = np.asarray(block_table), np.asarray(prefix_lens)
+        bs, N = tree.token_ids.shape
+        page_size = self.kv_cache.shape[2]
+        logits = np.zeros((bs * N, self.config.vocab))
+        for b in range(bs):
             n, P = int(tree.num_nodes[b]), int(prefix_lens[b])
             pages, offsets = slot_address(block_table[b], page_size, np.arange(P))
-            prefix_rows = kv_cache[:, pages, offsets]
-            logits, rows = self.forward_rows(tree.token_ids[b, :n], tree.positions[b, :n],
-                                             tree.visibility[b, :n, :n], prefix_rows)
+            prefix_rows = self.kv_cache[:, pages, offsets]
+            node_logits, rows = self.forward_rows(tree.token_ids[b, :n], tree.positions[b, :n],
+                                                  tree.visibility[b, :n, :n], prefix_rows)
             where = slot_address(block_table[b], page_size, P + np.arange(n))
-            kv_cache[:, where[0], where[1]] = rows
-            predict[b, :n] = np.argmax(logits, axis=-1)
-        return predict
+            self.kv_cache[:, where[0], where[1]] = rows
+            logits[b * N: b * N + n] = node_logits
+        return logits
 
     def greedy(self, start_token: int, steps: int) -> list:
         """Plain greedy decoding, one token per forward: the ``steps`` tokens after ``start``."""

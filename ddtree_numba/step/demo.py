@@ -21,11 +21,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import kernels as K
-from . import reference as ref
-from .step import GreedyStep
-from .toy_mla import ToyMLA, ToyMLAConfig
-from .toy_mla_device import DeviceToyMLA, ToyDrafter
+from .. import kernels as K
+from .. import reference as ref
+from ..models.toy_drafter import FixedDrafter, ToyDrafter
+from ..models.toy_mla import ToyMLA, ToyMLAConfig
+from ..models.toy_mla_device import DeviceToyMLA
+from .greedy import GreedyStep
 
 CACHE_RTOL = 2e-4       # committed cache rows, device float32 vs reference float64
 
@@ -77,16 +78,17 @@ def _committed_rows(cache, table, prefix_lens, page_size):
 def checked_run(step: GreedyStep, model: ToyMLA, starts, *, out=print) -> dict:
     """Decode ``step.max_steps`` steps, checking each against the reference step."""
     table = step.block_table.copy_to_host()
-    cache_ref = np.zeros(step.target.kv_cache.shape, np.float32)
-    page_size = cache_ref.shape[2]
+    layers, num_pages, page_size, _ = step.target.kv_cache.shape
+    model.allocate(bs=step.bs, N=step.N, num_pages=num_pages, page_size=page_size,
+                   max_pages=table.shape[1])                 # the reference's own cache
     roots, prefix = np.asarray(starts, np.int32).copy(), np.zeros(step.bs, np.int32)
     step.start(starts)
     history = []
     for s in range(step.max_steps):
         step()
         got = step.last_step()
-        want = ref.greedy_step(got["draft_logits"], roots, model.forward_tree, cache_ref, table,
-                               prefix, k=step.K, budget=step.budget)
+        want = ref.greedy_step(model, FixedDrafter(got["draft_logits"]), roots, table, prefix,
+                               k=step.K, budget=step.budget)
         tree, accept = got["tree"], got["accept"]
         same = (np.array_equal(tree.parents, want.tree.parents)
                 and np.array_equal(tree.token_ids, want.tree.token_ids)
@@ -98,7 +100,7 @@ def checked_run(step: GreedyStep, model: ToyMLA, starts, *, out=print) -> dict:
             raise AssertionError(f"step {s}: the device step disagrees with the reference")
         cache_dev = _committed_rows(step.target.kv_cache.copy_to_host(), table, want.prefix_lens,
                                     page_size)
-        cache_want = _committed_rows(cache_ref, table, want.prefix_lens, page_size)
+        cache_want = _committed_rows(model.kv_cache, table, want.prefix_lens, page_size)
         scale = np.abs(cache_want).max()
         if np.abs(cache_dev - cache_want).max() > CACHE_RTOL * scale:
             raise AssertionError(f"step {s}: committed cache rows differ from the reference")
@@ -185,7 +187,7 @@ def run_demo(*, bs=None, steps=None, L=None, k=None, budget=None, accuracy: floa
         out("time per step: eager only here (CUDA graphs need a GPU and CuPy)")
 
     if plot:
-        from .plot import draw_tree
+        from ..plot import draw_tree
 
         s, b = max(((s, b) for s in range(sizes.steps) for b in range(sizes.bs)),
                    key=lambda sb: int(checked["history"][sb[0]]["accept"].accept_len[sb[1]]))

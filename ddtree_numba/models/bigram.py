@@ -1,4 +1,5 @@
-"""A toy target and drafter for the greedy-step demo and tests (no neural network yet).
+"""A bigram toy target (a :class:`~ddtree_numba.interfaces.Target` on numpy arrays) and a
+noisy drafter's logits, for the KDTR fixtures and the reference step's tests.
 
 * :class:`BigramTarget`: the "model" predicts ``next_of[token]`` after any token, a fixed random
   permutation of the vocabulary, so plain greedy decoding is ``t, next_of[t], ...``. Its
@@ -8,7 +9,7 @@
   ``confidence`` on the target's own continuation of the root, plus Gaussian noise. A higher
   ``confidence`` means a drafter that agrees with the target more often.
 
-The greedy step's demo and tests use the toy MLA decoder (:mod:`ddtree_numba.toy_mla`); this
+The greedy step's demo and tests use the toy MLA decoder (:mod:`ddtree_numba.models.toy_mla`); this
 bigram toy stays for the KDTR fixtures and the reference step's tests, where a target whose
 greedy output is known in closed form keeps the expected values obvious.
 """
@@ -19,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .contracts import DraftTree
-from .reference.commit_kv import slot_address
+from ..contracts import DraftTree
+from ..reference.commit_kv import slot_address
 
 
 @dataclass
@@ -38,19 +39,30 @@ class BigramTarget:
         """The cache row this toy writes for ``token`` at ``position``: ``[row_width]``."""
         return self.embedding[token] + np.float32(position)
 
-    def forward(self, tree: DraftTree, kv_cache, block_table, prefix_lens) -> np.ndarray:
-        """Write node j's row at slot ``P + j``; return ``target_predict`` ``int32[bs, N]``."""
+    # -- the Target interface (numpy) --------------------------------------------------------
+    def allocate(self, *, bs: int, N: int, num_pages: int, page_size: int,
+                 max_pages: int) -> None:
+        """A zeroed one-layer cache ``float32[num_pages, page_size, row_width]``."""
+        self.kv_cache = np.zeros((num_pages, page_size, self.row_width), np.float32)
+
+    def kv_caches(self) -> list:
+        return [self.kv_cache]
+
+    def forward(self, tree: DraftTree, block_table, prefix_lens) -> np.ndarray:
+        """Write node j's row at slot ``P + j``; return logits ``float32[bs * N, V]``: 1 at
+        ``next_of[token]``, 0 elsewhere (and on padding rows)."""
         tree = tree.to_host()
-        predict = np.full(tree.token_ids.shape, -1, np.int32)               # [bs, N]
-        page_size = kv_cache.shape[1]
-        for b in range(tree.token_ids.shape[0]):
+        bs, N = tree.token_ids.shape
+        logits = np.zeros((bs * N, self.vocab), np.float32)
+        page_size = self.kv_cache.shape[1]
+        for b in range(bs):
             n = int(tree.num_nodes[b])
             tokens = tree.token_ids[b, :n]                                   # [n]
-            predict[b, :n] = self.next_of[tokens]
+            logits[b * N + np.arange(n), self.next_of[tokens]] = 1.0
             slots = int(prefix_lens[b]) + np.arange(n)                       # [n]
             rows = self.embedding[tokens] + tree.positions[b, :n, None].astype(np.float32)
-            kv_cache[slot_address(block_table[b], page_size, slots)] = rows
-        return predict
+            self.kv_cache[slot_address(block_table[b], page_size, slots)] = rows
+        return logits
 
     def greedy(self, token: int, steps: int) -> list:
         """Plain greedy decoding: the ``steps`` tokens after ``token``."""

@@ -20,12 +20,10 @@ state that changes from step to step (``root_token_ids``, ``prefix_lens``, the c
 emitted tokens) lives in those same buffers and is updated in place by the last launch, so the
 graph's arguments never change.
 
-The drafter and the target are objects with this interface (the toy ones are in
-:mod:`ddtree_numba.toy_mla_device`)::
-
-    drafter.vocab; drafter.allocate(bs=, L=); drafter.draft(root_token_ids, prefix_lens) -> logits
-    target.vocab;  target.allocate(bs=, N=, num_pages=, page_size=, max_pages=)
-    target.kv_caches() -> [cache per layer];  target.forward(tree, block_table, prefix_lens)
+The drafter and the target are any objects with the :class:`~ddtree_numba.interfaces.Drafter`
+and :class:`~ddtree_numba.interfaces.Target` interfaces, the same that
+:func:`ddtree_numba.reference.greedy_step` runs (the toy ones are in :mod:`ddtree_numba.models`).
+The step imports no model.
 """
 
 from __future__ import annotations
@@ -33,11 +31,20 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from . import kernels
-from .device_ops import default_ops
-from .limits import MAX_DEPTH, MAX_K, MAX_NODES
-from .paging import shuffled_block_table
-from .validation import require_int
+from .. import kernels
+from ..interfaces import Drafter, Target
+from ..limits import (
+    MAX_BATCH,
+    MAX_DEPTH,
+    MAX_ELEMENTS,
+    MAX_K,
+    MAX_NODES,
+    MAX_PAGE_SIZE,
+    MAX_POSITION,
+)
+from ..paging import shuffled_block_table
+from ..validation import require_int
+from .ops import default_step_ops
 
 MODES = ("eager", "graph")
 
@@ -47,9 +54,12 @@ class GreedyStep:
 
     Parameters
     ----------
-    target, drafter : object
-        See the module docstring; :class:`~ddtree_numba.toy_mla_device.DeviceToyMLA` and
-        :class:`~ddtree_numba.toy_mla_device.ToyDrafter`.
+    target : Target
+        The model (device arrays), e.g.
+        :class:`~ddtree_numba.models.toy_mla_device.DeviceToyMLA`.
+    drafter : Drafter
+        The block drafter (device arrays), e.g.
+        :class:`~ddtree_numba.models.toy_drafter.ToyDrafter`.
     bs, L, K, budget : int
         Requests, draft depth, tokens kept per depth, draft nodes per tree (``N = budget + 1``).
     max_steps : int
@@ -60,20 +70,23 @@ class GreedyStep:
     mode : str
         ``"eager"`` (launch every kernel each step) or ``"graph"`` (capture once, replay;
         needs a GPU and CuPy).
+    ops : object, optional
+        The argmax / advance backend (:mod:`ddtree_numba.step.ops`); by default the kernels on
+        a GPU and their numpy twins on the simulator.
     seed : int
         Seeds the page shuffle.
     """
 
-    def __init__(self, target, drafter, *, bs: int, L: int, K: int, budget: int,
+    def __init__(self, target: Target, drafter: Drafter, *, bs: int, L: int, K: int, budget: int,
                  max_steps: int, page_size: int = 16, mode: str = "eager", ops=None,
                  seed: int = 0):
         # the kernels' limits, checked here so that a bad size fails before any launch
-        self.bs = require_int("bs", bs, low=1)
+        self.bs = require_int("bs", bs, low=1, high=MAX_BATCH)
         self.L = require_int("L", L, low=1, high=MAX_DEPTH)
         self.K = require_int("K", K, low=1, high=min(MAX_K, target.vocab))
         self.budget = require_int("budget", budget, low=0, high=MAX_NODES - 1)
         self.max_steps = require_int("max_steps", max_steps, low=1)
-        page_size = require_int("page_size", page_size, low=1)
+        page_size = require_int("page_size", page_size, low=1, high=MAX_PAGE_SIZE)
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         if mode == "graph" and kernels.SIMULATOR:
@@ -83,10 +96,18 @@ class GreedyStep:
             raise ValueError(f"drafter.vocab: expected the target's vocabulary "
                              f"{target.vocab}, got {drafter.vocab}")
         self.mode, self.target, self.drafter = mode, target, drafter
-        self.ops = ops if ops is not None else default_ops()
+        self.ops = ops if ops is not None else default_step_ops()
         self.N = N = self.budget + 1
         self.tokens_per_step = min(self.L, self.budget) + 1        # at most k + 1 per step
         capacity = self.max_steps * self.tokens_per_step
+        # every request's slots [0, capacity + N) are int32 positions, and the host allocates
+        # bs of them (block table, emitted tokens): refuse sizes that cannot be held
+        slots = capacity + N + page_size
+        if slots > MAX_POSITION or self.bs * slots > MAX_ELEMENTS:
+            raise ValueError(f"max_steps: {self.max_steps} steps of up to "
+                             f"{self.tokens_per_step} tokens need {slots} cache slots per "
+                             f"request x bs={self.bs}; at most {MAX_POSITION} per request and "
+                             f"{MAX_ELEMENTS} in all fit (int32 positions, host memory)")
 
         rng = np.random.default_rng(seed)
         table, num_pages = shuffled_block_table(rng, [capacity] * self.bs, N, page_size)
@@ -110,6 +131,7 @@ class GreedyStep:
         self.accept = kernels.allocate_accept(self.bs, N)
         self.new_prefix_lens = zeros(self.bs)
         self.steps_done = 0
+        self.draft_logits = None
         self._started = False
         self._stream = self._graph = None
 
@@ -222,9 +244,14 @@ class GreedyStep:
         return [emitted[b, : count[b]].tolist() for b in range(self.bs)]
 
     def last_step(self) -> dict:
-        """Host copies of the last step's tree, predictions and accepted path."""
+        """Host copies of the last step's tree, predictions and accepted path.
+
+        Raises ``RuntimeError`` before the first step after :meth:`start` (the buffers hold
+        nothing yet)."""
+        if not self._started or self.steps_done == 0:
+            raise RuntimeError("last_step: no step has run since start(); call step() first")
         self.synchronize()
         return {"tree": self.tree.to_host(), "target_predict": self.target_predict.copy_to_host(),
-                "accept": self.accept.to_host(), "draft_logits": self.drafter.logits.copy_to_host(),
+                "accept": self.accept.to_host(), "draft_logits": self.draft_logits.copy_to_host(),
                 "prefix_lens": self.prefix_lens.copy_to_host()}
 

@@ -1,4 +1,6 @@
-"""Each kernel of ``device_ops.KernelOps`` against its numpy twin in ``HostOps``.
+"""Each kernel of the step's and the toy models' small operations against its numpy twin:
+``step.ops`` (argmax, advance), ``models.dense_ops`` (the toy MLA's dense layers) and
+``models.toy_drafter`` (the drafter's logits).
 
 The twins run on numpy arrays; the kernels on device arrays (the simulator in CI, the GPU with
 ``DDTREE_GPU=1``). Float results agree to float32 rounding (different summation orders: the
@@ -10,7 +12,17 @@ import pytest
 from numba import cuda
 
 from ddtree_numba.contracts import AcceptResult
-from ddtree_numba.device_ops import HostOps, KernelOps, rope_inv_freq
+from ddtree_numba.models.dense_ops import HostDenseOps, KernelDenseOps, rope_inv_freq
+from ddtree_numba.models.toy_drafter import HostDraftOps, KernelDraftOps
+from ddtree_numba.step.ops import HostStepOps, KernelStepOps
+
+#: method -> (numpy twin, kernel) backends
+BACKENDS = {
+    **dict.fromkeys(("embed", "rms_norm", "linear", "rope", "kv_write", "silu_mul"),
+                    (HostDenseOps, KernelDenseOps)),
+    "draft": (HostDraftOps, KernelDraftOps),
+    **dict.fromkeys(("argmax", "advance"), (HostStepOps, KernelStepOps)),
+}
 
 RTOL = 1e-5
 
@@ -19,10 +31,11 @@ def run_both(method, *args, outputs):
     """Run ``method`` of both backends; ``outputs`` are the indices of the written arguments.
 
     Returns ``[(want, got), ...]`` per output."""
+    host, kernel = BACKENDS[method]
     host_args = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
-    getattr(HostOps(), method)(*host_args)
+    getattr(host(), method)(*host_args)
     dev_args = [cuda.to_device(a) if isinstance(a, np.ndarray) else a for a in args]
-    getattr(KernelOps(), method)(*dev_args)
+    getattr(kernel(), method)(*dev_args)
     return [(host_args[i], dev_args[i].copy_to_host()) for i in outputs]
 
 
@@ -147,11 +160,11 @@ def test_advance_appends_tokens_and_moves_the_state():
     prefix, roots = np.array([10, 3], np.int32), np.array([1, 2], np.int32)
     emitted, count = np.full((2, 8), -1, np.int32), np.array([1, 3], np.int32)
     host = [a.copy() for a in (prefix, roots, emitted, count)]
-    HostOps().advance(accept, new_prefix, *host)
+    HostStepOps().advance(accept, new_prefix, *host)
     dev = [cuda.to_device(a) for a in (prefix, roots, emitted, count)]
     dev_accept = AcceptResult(*(cuda.to_device(getattr(accept, f)) for f in
                                 ("accept_nodes", "accept_len", "accept_tokens", "bonus_token")))
-    KernelOps().advance(dev_accept, cuda.to_device(new_prefix), *dev)
+    KernelStepOps().advance(dev_accept, cuda.to_device(new_prefix), *dev)
     for want, got in zip(host, dev, strict=True):
         np.testing.assert_array_equal(got.copy_to_host(), want)
     np.testing.assert_array_equal(host[0], new_prefix)
