@@ -57,6 +57,8 @@ def ddtree_step_figure(path: str) -> dict:
     ax = fig.axes[0]                    # its natural width, so enlarge the type and nodes
     for t in ax.texts:
         t.set_fontsize(t.get_fontsize() + 4)
+        if t.get_color() != "white":    # the scores: keep the edges from crossing them
+            t.set_bbox({"facecolor": "white", "edgecolor": "none", "pad": 0.5})
     for c in ax.collections:
         c.set_sizes([900])
     ax.title.set_fontsize(12)
@@ -224,6 +226,14 @@ _WARP_COLOURS = ["#a6cee3", "#b2df8a", "#fb9a99", "#fdbf6f", "#cab2d6", "#ffff99
                  "#d9d9d9"]
 
 
+def _title(ax, text: str, fontsize: float = 10) -> None:
+    """A left-aligned title wrapped to the figure's width (~90 characters a line), so that a
+    figure keeps its natural width and stays readable in the page's column."""
+    import textwrap
+
+    ax.set_title(textwrap.fill(text.replace("\n", " "), 90), fontsize=fontsize, loc="left")
+
+
 def _warp_image(ax, owner, mine, xlabel, ylabel, title, warps):
     """Draw ``owner[row, col]`` (a warp id per cell) in warp colours, ``mine`` (bool) black."""
     from matplotlib.colors import ListedColormap
@@ -234,7 +244,7 @@ def _warp_image(ax, owner, mine, xlabel, ylabel, title, warps):
               extent=(-0.5, owner.shape[1] - 0.5, owner.shape[0] - 0.5, -0.5))
     ax.set_xlabel(xlabel, fontsize=10)
     ax.set_ylabel(ylabel, fontsize=10)
-    ax.set_title(title, fontsize=10.5, loc="left")
+    _title(ax, title)
     ax.tick_params(labelsize=9)
 
 
@@ -290,7 +300,7 @@ def verify_attn_layout(out: str) -> None:
     assert (o_thread >= 0).all(), "an output element has no owner"
 
     me = 32 * w_me + lane_me
-    fig, axes = plt.subplots(3, 1, figsize=(9, 11.5),
+    fig, axes = plt.subplots(3, 1, figsize=(8, 11.5),
                              gridspec_kw={"hspace": 0.5, "height_ratios": [1, 1.7, 1]})
     _warp_image(axes[0], s_owner, s_thread == me, f"slot of the tile (BN = {BN})",
                 f"query row (BM = {BM})",
@@ -329,9 +339,9 @@ def verify_attn_layout(out: str) -> None:
             ax.text(b, a, str(grid[a, b]), ha="center", va="center", fontsize=12)
     ax.set_xticks(range(8), [f"b = {b}" for b in range(8)], fontsize=9)
     ax.set_yticks(range(4), [f"a = {a}" for a in range(4)], fontsize=9)
-    ax.set_title("lane -> (a, b): a = lane bits 0, 2 (the row quad); b = bits 1, 3, 4 (slots, "
+    _title(ax, "lane -> (a, b): a = lane bits 0, 2 (the row quad); b = bits 1, 3, 4 (slots, "
                  "columns).\nLanes n, n^1 share b: one K / C read serves both; n, n^2 share a: "
-                 "one Q / P read", fontsize=10, loc="left")
+                 "one Q / P read")
     fig.savefig(os.path.join(out, "layout_verify_attn_lanes.png"), dpi=100, bbox_inches="tight")
     plt.close(fig)
 
@@ -366,7 +376,7 @@ def build_tree_layout(out: str) -> None:
     more_parents = best_first(lp, count)[0]
     assert more_parents[count] == p, "the tournament's winner is not the reference's pop"
 
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 9.5),
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 9.5),
                                   gridspec_kw={"height_ratios": [8, 1], "hspace": 0.35})
     img = np.ones((lanes, group, 3))
     img[::2] = 0.93                                     # alternate lanes: light bands
@@ -384,21 +394,20 @@ def build_tree_layout(out: str) -> None:
                                  for l in range(lanes)], fontsize=7.5)
     ax.set_xticks(range(0, group, 4))
     ax.set_xlabel(f"node - {group} l (position in the lane's group)", fontsize=10)
-    ax.set_title(f"build_tree, warp tournament: lane l owns nodes [{group} l, {group} l + "
+    _title(ax, f"build_tree, warp tournament: lane l owns nodes [{group} l, {group} l + "
                  f"{group}) ({lanes} x {group} = {capacity} = N max).\nA real tree of {count} "
                  f"nodes (L {L}, K {K}). Light: node taken, no candidate left; dark: node with "
                  f"a pending candidate.\nStar: the lane's best (in registers). Red: the max "
                  f"over lanes (redux.sync, lowest lane of the ballot), node {p}'s candidate pops "
-                 f"next", fontsize=10,
-                 loc="left")
+                 f"next")
     strip = np.array([[(j // 2) % 2 for j in range(group)]])
     ax2.imshow(strip, cmap="Pastel1", aspect="auto", vmin=0, vmax=8)
     for j in range(group):
         ax2.text(j, 0, str(j // 2), ha="center", va="center", fontsize=8)
     ax2.set_yticks([])
     ax2.set_xticks(range(0, group, 4))
-    ax2.set_title("after the pop, the whole warp rescans the winner's group: lane j reads "
-                  "entries 2 j, 2 j + 1 (numbers: j)", fontsize=10, loc="left")
+    _title(ax2, "after the pop, the whole warp rescans the winner's group: lane j reads "
+                  "entries 2 j, 2 j + 1 (numbers: j)")
     fig.savefig(os.path.join(out, "layout_build_tree.png"), dpi=100, bbox_inches="tight")
     plt.close(fig)
 
@@ -410,16 +419,15 @@ def draft_topk_layout(out: str) -> None:
     T, unroll = _gpu_value(dt, "TOPK_THREADS"), dt.UNROLL
     V = 129280                                          # DeepSeek-V3's vocabulary
     chunk = unroll * T
-    fig, (ax0, ax) = plt.subplots(2, 1, figsize=(9, 5.2),
+    fig, (ax0, ax) = plt.subplots(2, 1, figsize=(8, 5.2),
                                   gridspec_kw={"height_ratios": [1, 4], "hspace": 0.7})
     n_chunks = -(-V // chunk)
     strip = np.array([[i % 2 for i in range(n_chunks)]])
     ax0.imshow(strip, cmap="Blues", vmin=-1, vmax=3, aspect="auto")
     ax0.set_yticks([])
     ax0.set_xlabel(f"chunk of {chunk} logits (UNROLL x T = {unroll} x {T})", fontsize=9)
-    ax0.set_title(f"grid (bs L,): one block per row (b, d) of V logits. A row of V = {V}\n"
-                  f"(DeepSeek-V3) is {n_chunks} chunks, read one after the other by the block",
-                  fontsize=10, loc="left")
+    _title(ax0, f"grid (bs L,): one block per row (b, d) of V logits. A row of V = {V}\n"
+                  f"(DeepSeek-V3) is {n_chunks} chunks, read one after the other by the block")
     owner = np.tile(np.arange(T) // 32, (unroll, 1))
     mine = np.zeros_like(owner, bool)
     mine[:, 37] = True
@@ -442,7 +450,7 @@ def accept_commit_layout(out: str) -> None:
     ta, ck = _kernel_module("tree_accept"), _kernel_module("commit_kv")
     T_acc, T_com = _gpu_value(ta, "ACCEPT_THREADS"), _gpu_value(ck, "COMMIT_THREADS")
     N = ta.MAX_NODES
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 7.5),
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7.5),
                                   gridspec_kw={"height_ratios": [1, 2.2], "hspace": 0.6})
     owner = np.tile((np.arange(N) % T_acc) // 32, (4, 1))
     second = np.tile(np.arange(N) >= T_acc, (4, 1))
@@ -475,11 +483,10 @@ def accept_commit_layout(out: str) -> None:
                  ha="center", fontsize=9)
     ax2.set_yticks(range(rows), [f"slot P + {i}" for i in range(rows)], fontsize=8)
     ax2.set_xlabel(f"cache column (D = {D}: Dc 512 + Dr 64)", fontsize=10)
-    ax2.set_title(f"commit_kv: grid (ceil(D / {T_com}), bs), a thread per column of a "
+    _title(ax2, f"commit_kv: grid (ceil(D / {T_com}), bs), a thread per column of a "
                   f"request. Accepted path {path}:\nrows P + {path[1:]} move to P + 1 .. P + "
                   f"{len(path) - 1}. Thread 100 (black) reads column 100 of every source,\n"
-                  f"then writes them, ascending. A warp moves 128 bytes of a row (float32)",
-                  fontsize=10, loc="left")
+                  f"then writes them, ascending. A warp moves 128 bytes of a row (float32)")
     fig.savefig(os.path.join(out, "layout_accept_commit.png"), dpi=100, bbox_inches="tight")
     plt.close(fig)
 
