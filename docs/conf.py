@@ -12,6 +12,7 @@ copyright = "2026, the ddtree_numba developers"
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon",
+              "sphinx.ext.viewcode",                    # [source] links, pages built locally
               "sphinx_gallery.gen_gallery", "sphinx-mathjax-offline"]   # MathJax served locally
 myst_enable_extensions = ["colon_fence", "deflist", "dollarmath", "amsmath"]
 myst_heading_anchors = 3
@@ -23,7 +24,7 @@ html_title = "ddtree_numba"
 html_theme_options = {
     "navigation_with_keys": False,
     "show_toc_level": 2,
-    "header_links_before_dropdown": 7,
+    "header_links_before_dropdown": 11,   # short toctree titles (index.md): all fit at 1280 px
     "secondary_sidebar_items": ["page-toc"],
     "footer_start": ["copyright"],
     "footer_end": [],

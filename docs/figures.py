@@ -4,6 +4,11 @@
   the draft tree with the accepted path highlighted.
 * ``perf_*.png`` and ``perf_*.md``: plots and tables from the committed benchmark CSVs
   (``benchmarks/results``), each labelled with the GPU and the date of the run.
+* ``layout_*.png``: which thread / warp of each fast kernel owns which rows, slots and bytes,
+  computed from the kernel modules' own constants (block sizes, tile shapes, lane splits) with
+  the kernels' index formulas, and checked to cover each tile exactly once, so a change in a
+  kernel changes its picture (or fails the build).
+* ``thumb_*.png``: gallery thumbnails of the examples that draw no figure themselves.
 """
 
 from __future__ import annotations
@@ -43,10 +48,24 @@ def ddtree_step_figure(path: str) -> dict:
     step = ref.greedy_step(model, drafter, continuation[:, 0], table, prefix, k=k,
                            budget=budget)
     n = int(step.accept.accept_len[0])
-    draw_tree(step.tree, 0, path, accepted=step.accept.accept_nodes[0, : n + 1],
-              title=f"one greedy step: budget {budget}, K {k}, L {L}; the accepted path "
+    plt = _plt()
+    draw_tree(step.tree, 0, path, accepted=step.accept.accept_nodes[0, : n + 1], keep_open=True,
+              title=f"one greedy step: budget {budget}, K {k}, L {L}\nthe accepted path "
                     f"(orange) commits {n} draft tokens + the bonus")
-    return {"accepted": n, "tokens": step.accept.accept_tokens[0, : n + 1].tolist()}
+    fig = plt.gcf()                     # draw_tree sizes for screens; the page shows it at
+    ax = fig.axes[0]                    # its natural width, so enlarge the type and nodes
+    for t in ax.texts:
+        t.set_fontsize(t.get_fontsize() + 4)
+        if t.get_color() != "white":    # the scores: keep the edges from crossing them
+            t.set_bbox({"facecolor": "white", "edgecolor": "none", "pad": 0.5})
+    for c in ax.collections:
+        c.set_sizes([900])
+    ax.title.set_fontsize(12)
+    fig.set_size_inches(7.5, fig.get_size_inches()[1])
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return {"accepted": n, "tokens": step.accept.accept_tokens[0, : n + 1].tolist(),
+            "tree": step.tree}
 
 
 def _rows(name: str) -> list:
@@ -75,6 +94,19 @@ def _table(rows, columns, headers, path, digits=1):
         f.write("\n".join(lines) + "\n")
 
 
+def _stage_table(rows, stages, path):
+    """Per-stage device times, one row per stage and one column per configuration (the
+    transpose of the CSV: nine stage columns do not fit the page, four configurations do)."""
+    lines = ["| stage | " + " | ".join(f"bs {r['bs']}, B {r['budget']}" for r in rows) + " |",
+             "|---|" + "---:|" * len(rows)]
+    for st in stages:
+        lines.append(f"| `{st[:-3]}` | " + " | ".join(f"{float(r[st]):,.1f}" for r in rows)
+                     + " |")
+    lines += ["", f"*{rows[0]['gpu']}, {rows[0]['date']}; microseconds.*"]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def performance_figures(out: str) -> None:
     plt = _plt()
 
@@ -89,7 +121,7 @@ def performance_figures(out: str) -> None:
                     "x--", label=f"Python heap, bs {bs}")
         ax.set(xscale="log", yscale="log", xlabel="budget B", ylabel="microseconds",
                title=f"build_tree ({rows[0]['gpu']}, {rows[0]['date']})")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))   # beside the lines
         fig.savefig(os.path.join(out, "perf_build_tree.png"), dpi=110, bbox_inches="tight")
         plt.close(fig)
         _table(rows, ["bs", "budget", "gpu_us", "ns_per_pop", "python_heap_us",
@@ -108,7 +140,8 @@ def performance_figures(out: str) -> None:
                    label="cuBLAS SGEMM (same run)")
         ax.set_xticks(x, labels, fontsize=6)
         ax.set(ylabel="TFLOP/s", title=f"verify_attn ({rows[0]['gpu']}, {rows[0]['date']})")
-        ax.legend(fontsize=7)
+        ax.set_ylim(0, 1.3 * float(rows[0]["sgemm_tflops"]))    # room above the SGEMM line
+        ax.legend(fontsize=8, loc="upper left", ncol=2)          # ... for the legend
         fig.savefig(os.path.join(out, "perf_verify_attn.png"), dpi=110, bbox_inches="tight")
         plt.close(fig)
         _table(rows, ["bs", "N", "prefix", "H", "dtype", "gpu_us", "tflops", "pct_of_sgemm",
@@ -125,11 +158,13 @@ def performance_figures(out: str) -> None:
                                (axes[1], "device_us", "device time per step")):
             ax.bar(x - 0.2, [float(r[f"eager_{key}"]) for r in rows], 0.4, label="eager")
             ax.bar(x + 0.2, [float(r[f"graph_{key}"]) for r in rows], 0.4, label="CUDA graph")
-            ax.set_xticks(x, labels, fontsize=7)
+            ax.set_xticks(x, labels, fontsize=8)
             ax.set(yscale="log", ylabel="microseconds", title=title)
-            ax.legend(fontsize=7)
+        handles, names = axes[0].get_legend_handles_labels()
+        fig.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2,
+                   fontsize=9, frameon=False)       # one legend, under both plots
         fig.suptitle(f"GreedyStep, toy MLA target ({rows[0]['gpu']}, {rows[0]['date']})",
-                     fontsize=9)
+                     fontsize=10)
         fig.savefig(os.path.join(out, "perf_step.png"), dpi=110, bbox_inches="tight")
         plt.close(fig)
         stages = [c for c in rows[0] if c.endswith("_us") and not c.startswith(("eager",
@@ -139,8 +174,7 @@ def performance_figures(out: str) -> None:
                ["bs", "budget", "launches", "accepted per step", "eager host us",
                 "graph host us", "eager device us", "graph device us"],
                os.path.join(out, "perf_step.md"))
-        _table(rows, ["bs", "budget", *stages], ["bs", "budget", *[s[:-3] for s in stages]],
-               os.path.join(out, "perf_step_stages.md"))
+        _stage_table(rows, stages, os.path.join(out, "perf_step_stages.md"))
 
     rows = _rows("draft_topk")
     if rows:
@@ -155,7 +189,337 @@ def performance_figures(out: str) -> None:
                os.path.join(out, "perf_accept_commit.md"))
 
 
+# ------------------------------------------------------------------------------------------
+# Thread layouts of the fast kernels: who owns which rows, slots and bytes
+# ------------------------------------------------------------------------------------------
+def _kernel_module(stage: str):
+    """The module of a kernel, by its stage name. verify_attn's tiled variant is read through
+    ``_verify_attn_tiled`` below: the one place that names where its constants live."""
+    import importlib
+
+    return importlib.import_module(f"ddtree_numba.kernels.{stage}")
+
+
+def _verify_attn_tiled():
+    """The module holding the tiled verify_attn kernel's constants (BM, BN, ...)."""
+    return _kernel_module("verify_attn")
+
+
+def _gpu_value(module, name: str):
+    """Constant ``name`` of ``module`` as on a GPU. The docs build on the simulator, where
+    block sizes written ``X = a if SIMULATOR else b`` take the small value ``a``: read ``b``
+    from the source instead."""
+    import ast
+    import inspect
+
+    for node in ast.parse(inspect.getsource(module)).body:
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.IfExp)
+                and any(getattr(t, "id", None) == name for t in node.targets)
+                and getattr(node.value.test, "id", None) == "SIMULATOR"):
+            return ast.literal_eval(node.value.orelse)
+    return getattr(module, name)
+
+
+# Eight light colours for warps; the highlighted thread is drawn in black on top.
+_WARP_COLOURS = ["#a6cee3", "#b2df8a", "#fb9a99", "#fdbf6f", "#cab2d6", "#ffff99", "#8dd3c7",
+                 "#d9d9d9"]
+
+
+def _title(ax, text: str, fontsize: float = 10) -> None:
+    """A left-aligned title wrapped to the figure's width (~90 characters a line), so that a
+    figure keeps its natural width and stays readable in the page's column."""
+    import textwrap
+
+    ax.set_title(textwrap.fill(text.replace("\n", " "), 90), fontsize=fontsize, loc="left")
+
+
+def _warp_image(ax, owner, mine, xlabel, ylabel, title, warps):
+    """Draw ``owner[row, col]`` (a warp id per cell) in warp colours, ``mine`` (bool) black."""
+    from matplotlib.colors import ListedColormap
+
+    rgb = ListedColormap(_WARP_COLOURS[:warps])(owner % warps)[..., :3]
+    rgb[mine] = 0.0
+    ax.imshow(rgb, aspect="auto", interpolation="nearest",
+              extent=(-0.5, owner.shape[1] - 0.5, owner.shape[0] - 0.5, -0.5))
+    ax.set_xlabel(xlabel, fontsize=10)
+    ax.set_ylabel(ylabel, fontsize=10)
+    _title(ax, title)
+    ax.tick_params(labelsize=9)
+
+
+def _lane_split(lane: int) -> tuple:
+    """``(lane_a, lane_b)`` of the tiled verify_attn kernel: a from lane bits 0 and 2, b from
+    bits 1, 3 and 4 (the kernel's two lines, restated)."""
+    return (lane & 1) | ((lane >> 1) & 2), ((lane >> 1) & 1) | ((lane >> 2) & 6)
+
+
+def verify_attn_layout(out: str) -> None:
+    """Ownership in one block of the tiled verify_attn kernel, phase by phase, and the lanes."""
+    plt = _plt()
+    va = _verify_attn_tiled()
+    BM, BN, warps = va.BM, va.BN, va.TILED_THREADS // 32
+    cols = 4 * va.COL4                                  # latent columns (MAX_DC)
+    w_me, lane_me = 5, 13                               # the highlighted thread
+    a_me, b_me = _lane_split(lane_me)
+
+    # 1. scores: warp w, lane (a, b): rows 16 (w // 4) + a + 4 r, slots 32 (w % 4) + b + 8 k
+    s_owner = np.full((BM, BN), -1)
+    s_thread = np.full((BM, BN), -1)
+    for w in range(warps):
+        for lane in range(32):
+            a, b = _lane_split(lane)
+            for r in range(4):
+                for k in range(4):
+                    row, slot = 16 * (w // 4) + a + 4 * r, 32 * (w % 4) + b + 8 * k
+                    assert s_thread[row, slot] < 0, "two threads own one score"
+                    s_owner[row, slot], s_thread[row, slot] = w, 32 * w + lane
+    assert (s_thread >= 0).all(), "a score of the tile has no owner"
+    # 2. softmax: warp w owns rows 16 (w // 4) + (w % 4) + 4 r, all BN slots (lane + 32 k)
+    m_owner = np.full((BM, BN), -1)
+    for w in range(warps):
+        for r in range(4):
+            m_owner[16 * (w // 4) + w % 4 + 4 * r, :] = w
+    assert (m_owner >= 0).all(), "a softmax row has no owner"
+    m_mine = np.zeros((BM, BN), bool)
+    for r in range(4):
+        for k in range(BN // 32):
+            m_mine[16 * (w_me // 4) + w_me % 4 + 4 * r, lane_me + 32 * k] = True
+    # 3. output: rows of quad 4 (w // 4) + a, columns 4 (32 (w % 4) + b + 8 j) + e
+    o_owner = np.full((BM, cols), -1)
+    o_thread = np.full((BM, cols), -1)
+    for w in range(warps):
+        for lane in range(32):
+            a, b = _lane_split(lane)
+            for r in range(4):
+                for j in range(4):
+                    for e in range(4):
+                        row, col = 16 * (w // 4) + a + 4 * r, 4 * (32 * (w % 4) + b + 8 * j) + e
+                        assert o_thread[row, col] < 0, "two threads own one output"
+                        o_owner[row, col], o_thread[row, col] = w, 32 * w + lane
+    assert (o_thread >= 0).all(), "an output element has no owner"
+
+    me = 32 * w_me + lane_me
+    fig, axes = plt.subplots(3, 1, figsize=(8, 11.5),
+                             gridspec_kw={"hspace": 0.5, "height_ratios": [1, 1.7, 1]})
+    _warp_image(axes[0], s_owner, s_thread == me, f"slot of the tile (BN = {BN})",
+                f"query row (BM = {BM})",
+                "1. S = Q K^T: warp w computes rows 16 (w // 4) .. +15, slots 32 (w % 4) .. +31.\n"
+                f"Black: the 4 x 4 scores of thread {me} (warp {w_me}, lane {lane_me}, a = "
+                f"{a_me}, b = {b_me}):\nrows 16 (w // 4) + a + 4 r, slots 32 (w % 4) + b + 8 k",
+                warps)
+    _warp_image(axes[1], m_owner, m_mine, f"slot of the tile (BN = {BN})", "query row: its warp",
+                "2-3. mask and online softmax: warp w owns row quad w, rows 16 (w // 4) + (w % 4)"
+                f" + 4 r,\nall {BN} slots (a row's max and sum: warp shuffles). Black: thread "
+                f"{me}'s slots lane + 32 k", warps)
+    axes[1].set_yticks(range(BM), [f"{r}: w{m_owner[r, 0]}" for r in range(BM)], fontsize=7.5)
+    _warp_image(axes[2], o_owner, o_thread == me, f"latent column of the output (Dc <= {cols})",
+                "query row",
+                "4. O += P C: warp w holds rows 16 (w // 4) .. +15, columns 128 (w % 4) .. +127."
+                f"\nBlack: the 4 x 16 outputs of thread {me}: its quad's 4 rows, columns "
+                "4 (32 (w % 4) + b + 8 j) + e", warps)
+    for w in range(warps):                  # labels between the highlighted thread's rows
+        y = 16 * (w // 4) + a_me + 2
+        axes[0].text(32 * (w % 4) + 15.5, y, f"warp {w}", ha="center", va="center",
+                     fontsize=10, weight="bold")
+        axes[2].text(128 * (w % 4) + 63.5, y, f"warp {w}", ha="center", va="center",
+                     fontsize=10, weight="bold")
+    fig.savefig(os.path.join(out, "layout_verify_attn.png"), dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7.5, 3.0))
+    grid = np.zeros((4, 8), int)
+    for lane in range(32):
+        a, b = _lane_split(lane)
+        grid[a, b] = lane
+    ax.imshow((np.arange(8)[None, :] % 2) * 0.15 + (np.arange(4)[:, None] % 2) * 0.1,
+              cmap="Greys", vmin=0, vmax=1, aspect="auto")
+    for a in range(4):
+        for b in range(8):
+            ax.text(b, a, str(grid[a, b]), ha="center", va="center", fontsize=12)
+    ax.set_xticks(range(8), [f"b = {b}" for b in range(8)], fontsize=9)
+    ax.set_yticks(range(4), [f"a = {a}" for a in range(4)], fontsize=9)
+    _title(ax, "lane -> (a, b): a = lane bits 0, 2 (the row quad); b = bits 1, 3, 4 (slots, "
+                 "columns).\nLanes n, n^1 share b: one K / C read serves both; n, n^2 share a: "
+                 "one Q / P read")
+    fig.savefig(os.path.join(out, "layout_verify_attn_lanes.png"), dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+def build_tree_layout(out: str) -> None:
+    """The warp tournament of build_tree at one pop of a real tree: which lane owns which
+    nodes, each lane's best candidate, the winner; and the rescan of the winner's group."""
+    from ddtree_numba.reference.build_tree import best_first
+
+    plt = _plt()
+    bt = _kernel_module("build_tree")
+    group, capacity = bt.GROUP, bt.NODE_CAPACITY
+    lanes = capacity // group
+    L, K, count = 15, 8, 300
+    rng = np.random.default_rng(1)
+    lp = np.sort(np.log(rng.dirichlet(np.full(64, 0.3), size=L)).astype(np.float32),
+                 axis=1)[:, ::-1][:, :K].copy()
+    parents, depths, ranks, scores = best_first(lp, count - 1)   # nodes 0 .. count - 1
+    # the frontier after `count` nodes: each node's next unexpanded rank (one candidate each)
+    next_rank = [0] * count
+    for c in range(1, count):
+        next_rank[parents[c]] = ranks[c] + 1
+    cand = np.full(capacity, -np.inf, np.float32)
+    for p in range(count):
+        r = next_rank[p]
+        if depths[p] < L and r < K:
+            cand[p] = np.float32(scores[p] + lp[depths[p], r])
+    best = [max(range(l * group, (l + 1) * group), key=lambda q: (cand[q], -q))
+            for l in range(lanes)]
+    winner_lane = max(range(lanes), key=lambda l: (cand[best[l]], -l))
+    p = best[winner_lane]
+    more_parents = best_first(lp, count)[0]
+    assert more_parents[count] == p, "the tournament's winner is not the reference's pop"
+
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 9.5),
+                                  gridspec_kw={"height_ratios": [8, 1], "hspace": 0.35})
+    img = np.ones((lanes, group, 3))
+    img[::2] = 0.93                                     # alternate lanes: light bands
+    taken = np.arange(lanes * group).reshape(lanes, group) < count
+    img[taken] = (0.65, 0.81, 0.89)
+    has = np.isfinite(cand).reshape(lanes, group)
+    img[has] = (0.12, 0.47, 0.71)
+    ax.imshow(img, aspect="auto", interpolation="nearest")
+    for l in range(lanes):
+        q = best[l]
+        if np.isfinite(cand[q]):
+            ax.plot(q - l * group, l, marker="*", color="orange" if l != winner_lane else "red",
+                    markersize=15 if l == winner_lane else 10, markeredgecolor="k")
+    ax.set_yticks(range(lanes), [f"lane {l}: [{l * group}, {(l + 1) * group})"
+                                 for l in range(lanes)], fontsize=7.5)
+    ax.set_xticks(range(0, group, 4))
+    ax.set_xlabel(f"node - {group} l (position in the lane's group)", fontsize=10)
+    _title(ax, f"build_tree, warp tournament: lane l owns nodes [{group} l, {group} l + "
+                 f"{group}) ({lanes} x {group} = {capacity} = N max).\nA real tree of {count} "
+                 f"nodes (L {L}, K {K}). Light: node taken, no candidate left; dark: node with "
+                 f"a pending candidate.\nStar: the lane's best (in registers). Red: the max "
+                 f"over lanes (redux.sync, lowest lane of the ballot), node {p}'s candidate pops "
+                 f"next")
+    strip = np.array([[(j // 2) % 2 for j in range(group)]])
+    ax2.imshow(strip, cmap="Pastel1", aspect="auto", vmin=0, vmax=8)
+    for j in range(group):
+        ax2.text(j, 0, str(j // 2), ha="center", va="center", fontsize=8)
+    ax2.set_yticks([])
+    ax2.set_xticks(range(0, group, 4))
+    _title(ax2, "after the pop, the whole warp rescans the winner's group: lane j reads "
+                  "entries 2 j, 2 j + 1 (numbers: j)")
+    fig.savefig(os.path.join(out, "layout_build_tree.png"), dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+def draft_topk_layout(out: str) -> None:
+    """draft_topk: one block per row of logits; T threads stride over V, UNROLL loads each."""
+    plt = _plt()
+    dt = _kernel_module("draft_topk")
+    T, unroll = _gpu_value(dt, "TOPK_THREADS"), dt.UNROLL
+    V = 129280                                          # DeepSeek-V3's vocabulary
+    chunk = unroll * T
+    fig, (ax0, ax) = plt.subplots(2, 1, figsize=(8, 5.2),
+                                  gridspec_kw={"height_ratios": [1, 4], "hspace": 0.7})
+    n_chunks = -(-V // chunk)
+    strip = np.array([[i % 2 for i in range(n_chunks)]])
+    ax0.imshow(strip, cmap="Blues", vmin=-1, vmax=3, aspect="auto")
+    ax0.set_yticks([])
+    ax0.set_xlabel(f"chunk of {chunk} logits (UNROLL x T = {unroll} x {T})", fontsize=9)
+    _title(ax0, f"grid (bs L,): one block per row (b, d) of V logits. A row of V = {V}\n"
+                  f"(DeepSeek-V3) is {n_chunks} chunks, read one after the other by the block")
+    owner = np.tile(np.arange(T) // 32, (unroll, 1))
+    mine = np.zeros_like(owner, bool)
+    mine[:, 37] = True
+    _warp_image(ax, owner, mine, f"thread t (T = TOPK_THREADS = {T} on a GPU: {T // 32} warps)",
+                f"load u (UNROLL = {unroll})",
+                f"one chunk: thread t loads elements v0 + u T + t, u < {unroll}, all issued "
+                f"before any is used\n({unroll} loads in flight). A warp's load u is 32 "
+                f"consecutive logits (128 bytes in float32): coalesced.\nColours: warps; "
+                f"black: thread 37",
+                len(_WARP_COLOURS))
+    ax.set_yticks(range(unroll))
+    fig.savefig(os.path.join(out, "layout_draft_topk.png"), dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+def accept_commit_layout(out: str) -> None:
+    """tree_accept: a block per request (staging by all threads, the walk by thread 0);
+    commit_kv: a thread per cache column, moving that column of every accepted row."""
+    plt = _plt()
+    ta, ck = _kernel_module("tree_accept"), _kernel_module("commit_kv")
+    T_acc, T_com = _gpu_value(ta, "ACCEPT_THREADS"), _gpu_value(ck, "COMMIT_THREADS")
+    N = ta.MAX_NODES
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7.5),
+                                  gridspec_kw={"height_ratios": [1, 2.2], "hspace": 0.6})
+    owner = np.tile((np.arange(N) % T_acc) // 32, (4, 1))
+    second = np.tile(np.arange(N) >= T_acc, (4, 1))
+    _warp_image(ax, owner, second, f"tree node i (N <= {N})", "",
+                f"tree_accept: one block of T = {T_acc} threads per request (colours: warps). "
+                f"Thread t stages\nentries t, t + T of the four rows (black: the second "
+                f"round); thread 0 alone walks the lists\nin shared memory; all threads "
+                f"write the result rows",
+                len(_WARP_COLOURS))
+    ax.set_yticks(range(4), ["token_ids", "next_token", "next_sibling", "target_predict"],
+                  fontsize=8)
+    D, P, path = 576, 0, [0, 2, 3, 7]
+    rows = 9
+    blocks = np.tile(np.arange(D) // T_com, (rows, 1))
+    img = np.ones((rows, D, 3)) * 0.95
+    colours = np.array([[0.65, 0.81, 0.89], [0.7, 0.87, 0.54], [0.98, 0.6, 0.6],
+                        [0.99, 0.75, 0.44], [0.79, 0.7, 0.84]])
+    for i in range(1, len(path)):
+        img[P + i] = colours[blocks[0] % len(colours)]
+        img[P + path[i]] = np.minimum(img[P + path[i]], colours[blocks[0] % len(colours)])
+    img[[P + i for i in range(1, len(path))] + [P + a for a in path[1:]], 100] = 0.0
+    ax2.imshow(img, aspect="auto", interpolation="nearest")
+    for i in range(1, len(path)):
+        if path[i] != i:
+            ax2.annotate("", xy=(-8, P + i), xytext=(-8, P + path[i]), annotation_clip=False,
+                         arrowprops={"arrowstyle": "->", "connectionstyle": "arc3,rad=0.4",
+                                     "lw": 1.5})
+    for blk in range(-(-D // T_com)):
+        ax2.text(blk * T_com + min(T_com, D - blk * T_com) / 2, rows - 0.6, f"block {blk}",
+                 ha="center", fontsize=9)
+    ax2.set_yticks(range(rows), [f"slot P + {i}" for i in range(rows)], fontsize=8)
+    ax2.set_xlabel(f"cache column (D = {D}: Dc 512 + Dr 64)", fontsize=10)
+    _title(ax2, f"commit_kv: grid (ceil(D / {T_com}), bs), a thread per column of a "
+                  f"request. Accepted path {path}:\nrows P + {path[1:]} move to P + 1 .. P + "
+                  f"{len(path) - 1}. Thread 100 (black) reads column 100 of every source,\n"
+                  f"then writes them, ascending. A warp moves 128 bytes of a row (float32)")
+    fig.savefig(os.path.join(out, "layout_accept_commit.png"), dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+def thumbnails(out: str, tree) -> None:
+    """Thumbnails for the examples that draw no figure: the five stages, the ancestor mask."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    stages = ["draft_topk", "build_tree", "verify_attn", "tree_accept", "commit_kv"]
+    for i, st in enumerate(stages):
+        ax.add_patch(plt.Rectangle((0.1, 4 - i - 0.35), 0.8, 0.7, color=_WARP_COLOURS[i]))
+        ax.text(0.5, 4 - i, st, ha="center", va="center", fontsize=16, family="monospace")
+        if i:
+            ax.annotate("", xy=(0.5, 4 - i + 0.35), xytext=(0.5, 4 - i + 0.65),
+                        arrowprops={"arrowstyle": "->", "lw": 1.5})
+    ax.set(xlim=(0, 1), ylim=(-0.5, 4.5))
+    ax.set_axis_off()
+    fig.savefig(os.path.join(out, "thumb_stages.png"), dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+    n = int(tree.num_nodes[0])
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.imshow(tree.visibility[0, :n, :n], cmap="Blues", interpolation="nearest")
+    ax.set(xlabel="key node j", ylabel="query node i", title="visibility: j is an ancestor of i")
+    fig.savefig(os.path.join(out, "thumb_visibility.png"), dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
 def generate(out: str) -> None:
     os.makedirs(out, exist_ok=True)
-    ddtree_step_figure(os.path.join(out, "ddtree_step.png"))
+    step = ddtree_step_figure(os.path.join(out, "ddtree_step.png"))
     performance_figures(out)
+    verify_attn_layout(out)
+    build_tree_layout(out)
+    draft_topk_layout(out)
+    accept_commit_layout(out)
+    thumbnails(out, step["tree"])

@@ -35,3 +35,5 @@ x = np.arange(100, dtype=np.float32)
 d = cuda.to_device(x)
 add_one[4, 32](d)                 # 4 blocks x 32 threads cover 100 elements
 report("add_one", bool((d.copy_to_host() == x + 1).all()))
+
+# sphinx_gallery_thumbnail_path = "_generated/thumb_stages.png"

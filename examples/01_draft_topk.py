@@ -28,3 +28,5 @@ lp, ids = lp.copy_to_host(), ids.copy_to_host()
 print("request 0, depth 0, top 5 tokens:", ids[0, 0, :5], "log-probs:", np.round(lp[0, 0, :5], 3))
 report("draft_topk ids", bool((ids == want_ids).all()))
 report("draft_topk log-probs (within 1e-5)", bool(np.allclose(lp, want_lp, rtol=0, atol=1e-5)))
+
+# sphinx_gallery_thumbnail_path = "_generated/layout_draft_topk.png"

@@ -37,3 +37,5 @@ got = K.build_tree(top_lp, top_ids, np.array([7], np.int32), 8, prefix_lens=pref
 report("kernel visibility and positions",
        bool((got.visibility_bits == tree.visibility_bits).all()
             and (got.positions == tree.positions).all()))
+
+# sphinx_gallery_thumbnail_path = "_generated/thumb_visibility.png"

@@ -42,3 +42,5 @@ out, lse = out.copy_to_host(), lse.copy_to_host()
 err = np.linalg.norm(out - want_out) / np.linalg.norm(want_out)
 print(f"relative error {err:.2e}; lse of node 0, head 0: {lse[0, 0, 0]:.4f}")
 report("verify_attn (relative error <= 2e-5)", bool(err <= 2e-5))
+
+# sphinx_gallery_thumbnail_path = "_generated/layout_verify_attn.png"

@@ -56,3 +56,5 @@ new_kernel = K.commit_kv(cache_kernel, table, prefix, want.accept_nodes, want.ac
 print("new prefix lengths:", new_ref)
 report("commit_kv", bool((cache_ref == cache_kernel).all()
                          and (new_kernel.copy_to_host() == new_ref).all()))
+
+# sphinx_gallery_thumbnail_path = "_generated/layout_accept_commit.png"
