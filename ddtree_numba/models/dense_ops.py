@@ -8,7 +8,7 @@ preallocated, so a whole step can be captured in a CUDA graph). :class:`HostDens
 same arithmetic in numpy on numpy arrays or the simulator's device arrays, in place: numba's
 CUDA simulator runs one Python thread per CUDA thread, which makes even a small matrix product
 take a second, so the demo and the end-to-end tests on the simulator use the twins here and the
-package's real kernels for every DDTree stage and for attention. :func:`default_dense_ops`
+package's real kernels for every DDTree stage and for attention. ``default_dense_ops()``
 picks one; ``tests/test_ops.py`` checks every kernel against its numpy twin.
 
 These are plumbing, not DDTree stages: written plainly (a 16 x 16 shared-memory tile for the

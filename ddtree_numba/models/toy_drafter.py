@@ -153,7 +153,7 @@ class ToyDrafter:
     ----------
     continuation : numpy.ndarray
         ``int32[bs, S]``: each request's plain greedy sequence by position (position 0 is the
-        start token), e.g. from :meth:`~ddtree_numba.toy_mla.ToyMLA.greedy`.
+        start token), e.g. from :meth:`~ddtree_numba.models.toy_mla.ToyMLA.greedy`.
     vocab : int
     accuracy : float
         Probability that the drafter's top guess at a position is the target's token.

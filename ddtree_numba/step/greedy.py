@@ -71,7 +71,7 @@ class GreedyStep:
         ``"eager"`` (launch every kernel each step) or ``"graph"`` (capture once, replay;
         needs a GPU and CuPy).
     ops : object, optional
-        The argmax / advance backend (:mod:`ddtree_numba.step.ops`); by default the kernels on
+        The argmax / advance backend (``ddtree_numba.step.ops``); by default the kernels on
         a GPU and their numpy twins on the simulator.
     seed : int
         Seeds the page shuffle.

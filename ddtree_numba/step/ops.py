@@ -7,7 +7,7 @@ so a whole step can be captured in a CUDA graph); :class:`HostStepOps` works on 
 and on the CUDA simulator's device arrays, in place (the simulator runs one Python thread per
 CUDA thread, which makes even these small launches slow; the end-to-end tests and the demo on
 the simulator use the twins here and the real kernels for every DDTree stage).
-:func:`default_step_ops` picks one; ``tests/test_ops.py`` checks each kernel against its twin.
+``default_step_ops()`` picks one; ``tests/test_ops.py`` checks each kernel against its twin.
 """
 
 from __future__ import annotations
