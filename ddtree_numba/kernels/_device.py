@@ -18,11 +18,14 @@ import threading
 import numpy as np
 from numba import config, cuda
 
+from .._platform import announce_simulator
 from ..arrays import BFLOAT16, array_source
 
 SIMULATOR: bool = bool(config.ENABLE_CUDASIM)
 
 if SIMULATOR:
+    announce_simulator()        # once per process, only if chosen automatically
+
     # The simulator runs each CUDA thread as a Python thread and each syncthreads() as a
     # barrier; with CPython's default 5 ms GIL switch interval a block-wide barrier costs
     # milliseconds. A 50 us interval makes barrier-heavy kernels ~8x faster to simulate.
