@@ -31,3 +31,18 @@ def test_readme_snippet_runs_as_a_plain_script(index, tmp_path):
         assert done.stderr.count(SIMULATOR_NOTICE) == 1, done.stderr
     assert "Traceback" not in done.stderr and "Warning" not in done.stderr, done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [script.name]   # wrote nothing
+
+
+def test_no_file_points_to_a_design_document_users_do_not_have():
+    """The buffer contract lives in the docs (docs/contracts.md); no design file is shipped."""
+    found = []
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith((".", "_build", "auto_examples"))
+                   and d != "__pycache__"]
+        for name in files:
+            if name.endswith((".py", ".md", ".rst", ".toml", ".txt", ".h", ".sh", ".cfg")):
+                path = os.path.join(folder, name)
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    if "DESIGN" + ".md" in f.read():
+                        found.append(os.path.relpath(path, ROOT))
+    assert found == []
