@@ -2,11 +2,19 @@
 
 ``ddtree_numba.reference`` defines each stage in numpy; ``ddtree_numba.kernels`` implements the
 same functions on the GPU (or numba's CUDA simulator); :class:`GreedyStep` runs a whole greedy
-step on the device. See ``DESIGN.md`` for the buffer contract.
+step on the device. The buffer contract (names, shapes, rules) is in the docs: contracts.
+
+Importing the package chooses numba's target before numba is imported: the GPU when a CUDA
+driver and device are present, else numba's CUDA simulator (``DDTREE_BACKEND=gpu|simulator``
+or ``NUMBA_ENABLE_CUDASIM`` choose explicitly; see :mod:`ddtree_numba._platform`).
 """
 
-from .contracts import AcceptResult, DraftTree
-from .kdtr import KdtrError, load_kdtr, save_kdtr
+from ._platform import choose_backend
+
+choose_backend()                # sets NUMBA_ENABLE_CUDASIM before anything imports numba
+
+from .contracts import AcceptResult, DraftTree  # noqa: E402
+from .kdtr import KdtrError, load_kdtr, save_kdtr  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["AcceptResult", "DraftTree", "GreedyStep", "KdtrError", "__version__", "load_kdtr",
@@ -14,8 +22,8 @@ __all__ = ["AcceptResult", "DraftTree", "GreedyStep", "KdtrError", "__version__"
 
 
 def __getattr__(name):
-    # GreedyStep imports numba: loaded on first use, so that importing the package does not
-    # fix numba's target (GPU or simulator) before the caller chose it
+    # GreedyStep imports numba: loaded on first use, so that importing the package stays cheap
+    # and the command line can still pick numba's target (build-report compiles for real)
     if name == "GreedyStep":
         from .step import GreedyStep
 

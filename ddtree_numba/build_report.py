@@ -199,14 +199,58 @@ def report_row(spec, cc) -> dict:
             "problems": check_resources(spec, res, limits)}
 
 
-def build_report(ccs=((12, 0),)) -> list:
-    """One row per (specialisation, target): resources, occupancy and problems."""
+def build_report(ccs=((12, 0),), *, progress=None) -> list:
+    """One row per (specialisation, target): resources, occupancy and problems.
+
+    ``progress(done, total, cc, spec)``, if given, is called after each compilation (the
+    command line prints it on stderr: a report takes 30-60 s).
+    """
     specs = kernel_specs()
-    rows = [report_row(spec, cc) for cc in ccs for spec in specs]
+    rows = []
+    for cc in dict.fromkeys(ccs):            # a target asked for twice is compiled once
+        for done, spec in enumerate(specs, 1):
+            rows.append(report_row(spec, cc))
+            if progress is not None:
+                progress(done, len(specs), cc, spec)
     for name in unlisted_kernels(specs):
         rows.append({"cc": "-", "stage": name, "variant": "-",
                      "problems": ["kernel has no build spec"]})
     return rows
+
+
+def format_problems(rows) -> list:
+    """One line per problem: ``cc 12.0, stage build_tree, variant select warp (fast): ...``."""
+    def context(r):
+        if "registers" not in r:
+            return ""
+        return f" [{r['registers']} registers, {r['threads']} threads, {r['shared']} B smem]"
+
+    return [f"cc {r['cc']}, stage {r['stage']}, variant {r['variant']}"
+            f"{' (fast path)' if r.get('fast') else ''}: {p}{context(r)}"
+            for r in rows for p in r["problems"]]
+
+
+def toolchain() -> str:
+    """The versions that decide ptxas' figures (they differ between machines)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from cuda.bindings import nvjitlink
+
+    parts = ["nvJitLink {}.{}".format(*nvjitlink.version())]
+    try:                                    # NVVM (PTX) may come from a system toolkit
+        from numba.cuda.cuda_paths import get_cuda_paths
+
+        nvvm = get_cuda_paths()["nvvm"]
+        parts.append(f"NVVM {nvvm.info} (found by {nvvm.by})")
+    except Exception:                       # pragma: no cover - informational only
+        pass
+    for dist in ("numba-cuda", "nvidia-nvjitlink", "nvidia-nvvm", "nvidia-nvjitlink-cu12",
+                 "nvidia-cuda-nvcc-cu12"):
+        try:
+            parts.append(f"{dist} {version(dist)}")
+        except PackageNotFoundError:
+            pass
+    return ", ".join(parts)
 
 
 def format_table(rows) -> str:
@@ -222,9 +266,9 @@ def format_table(rows) -> str:
     table = [heads] + [[cell(r, c) for c in columns] for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)) for line in table]
-    problems = [f"{r['cc']} {r['stage']} {r['variant']}: {p}" for r in rows
-                for p in r["problems"]]
-    lines.append("problems: " + ("; ".join(problems) if problems else "none"))
+    problems = format_problems(rows)
+    lines.append("problems: " + ("none" if not problems else f"{len(problems)}"))
+    lines += [f"  {line}" for line in problems]
     return "\n".join(lines)
 
 

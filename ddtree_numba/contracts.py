@@ -2,8 +2,8 @@
 
 Both hold either numpy arrays (from :mod:`ddtree_numba.reference`) or device arrays (from
 :mod:`ddtree_numba.kernels`); :meth:`to_host` turns the second into the first. Shapes and
-padding are the buffer contract of ``DESIGN.md`` (symbols: ``bs`` requests, ``N = budget + 1``
-nodes with node 0 the root, ``W = ceil(N / 32)`` bit words per visibility row).
+padding follow the buffer contract (docs: contracts); symbols: ``bs`` requests, ``N = budget + 1``
+nodes with node 0 the root, ``W = ceil(N / 32)`` bit words per visibility row.
 """
 
 from __future__ import annotations

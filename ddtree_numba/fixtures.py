@@ -5,7 +5,9 @@
 (a float32 and a bfloat16 cache), ``tree_accept``, ``commit_kv`` and ``greedy_step`` (one whole
 step of the bigram toy target, whose tables travel in the file), plus ``manifest.json``
 describing every file and tensor. Tensor names are ``in.<argument>`` and ``out.<result>``;
-scalars are rank-0 tensors. The same seed gives byte-identical files.
+scalars are rank-0 tensors. The same seed gives byte-identical files. Writing again into the
+same folder replaces the fixtures its manifest lists (no stale file stays); other files there
+are kept.
 
 A native implementation loads a file (``tools/kdtr.h``), runs its stage on the ``in.`` tensors
 and compares with the ``out.`` tensors: exactly for the integer and add-only stages, within
@@ -17,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import tempfile
 
 import numpy as np
 
@@ -24,7 +28,6 @@ from . import reference as ref
 from .arrays import BFLOAT16
 from .kdtr import load_kdtr, save_kdtr
 from .models.bigram import BigramTarget, noisy_drafter_logits
-from .models.toy_drafter import FixedDrafter
 from .paging import shuffled_block_table
 
 
@@ -44,6 +47,8 @@ def _paged_cache(rng, bs, prefix_lens, N, page_size, D, dtype=np.float32):
 
 def stage_cases(rng) -> dict:
     """One case of every stage: ``{stage: {tensor name: array}}``."""
+    from .models.toy_drafter import FixedDrafter  # imports numba: only when writing
+
     cases = {}
     bs, L, V, K, budget = 2, 4, 24, 4, 12
     logits = (rng.standard_normal((bs, L, V)) * 2).astype(np.float32)
@@ -139,9 +144,61 @@ DESCRIPTIONS = {
 }
 
 
+class FixturesError(ValueError):
+    """``outdir`` cannot take the fixtures (a file, or ``.kdtr`` files no manifest lists)."""
+
+
+def _previous_files(outdir) -> list:
+    """The files a previous :func:`write_fixtures` left in ``outdir`` (its manifest's list and
+    the manifest itself). ``.kdtr`` files that no manifest lists are refused: they may be
+    someone else's, and left in place they would pass for current fixtures."""
+    if not os.path.exists(outdir):
+        return []
+    if not os.path.isdir(outdir):
+        raise FixturesError(f"{outdir} exists and is not a folder")
+    listed = []
+    manifest_path = os.path.join(outdir, "manifest.json")
+    if os.path.isfile(manifest_path):
+        try:
+            with open(manifest_path) as f:
+                listed = [entry["file"] for entry in json.load(f)["files"]]
+        except (ValueError, KeyError, TypeError) as error:
+            raise FixturesError(f"{manifest_path} is not a fixtures manifest ({error}); "
+                                "remove it or choose another folder") from None
+        listed = [name for name in listed if os.path.basename(name) == name]
+        listed.append("manifest.json")
+    unlisted = sorted(name for name in os.listdir(outdir)
+                      if name.endswith(".kdtr") and name not in listed)
+    if unlisted:
+        raise FixturesError(f"{outdir} holds .kdtr files that no manifest.json lists "
+                            f"({', '.join(unlisted[:3])}{', ...' if len(unlisted) > 3 else ''}); "
+                            "remove them or choose another folder")
+    return [name for name in listed if os.path.isfile(os.path.join(outdir, name))]
+
+
 def write_fixtures(outdir, *, seed: int = 0, cases: int = 1) -> dict:
-    """Write ``cases`` cases of every stage to ``outdir``; return the manifest."""
+    """Write ``cases`` cases of every stage to ``outdir``; return the manifest.
+
+    The files are written to a fresh temporary folder inside ``outdir`` first; only when all
+    are written do they replace the previous fixtures: the files the old ``manifest.json``
+    lists are removed, so no stale fixture stays behind. Other files in ``outdir`` are left
+    alone; ``.kdtr`` files that no manifest lists are refused (:class:`FixturesError`).
+    """
+    previous = _previous_files(outdir)
     os.makedirs(outdir, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".fixtures-", dir=outdir)
+    try:
+        manifest = _write_all(staging, seed=seed, cases=cases)
+        for name in previous:
+            os.remove(os.path.join(outdir, name))
+        for name in os.listdir(staging):
+            os.replace(os.path.join(staging, name), os.path.join(outdir, name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return manifest
+
+
+def _write_all(outdir, *, seed: int, cases: int) -> dict:
     manifest = {"format": "KDTR v1 (ddtree_numba/kdtr.py)", "seed": seed, "files": []}
     rng = np.random.default_rng(seed)
     for case in range(cases):

@@ -5,9 +5,10 @@ log-probability under it; the accepted path, when given, in orange."""
 from __future__ import annotations
 
 
-def draw_tree(tree, b: int, path: str, *, accepted=(), max_nodes: int = 48,
-              title: str | None = None, keep_open: bool = False) -> str:
-    """Save request ``b`` of ``tree`` (a host :class:`~ddtree_numba.DraftTree`) as an image.
+def draw_tree(tree, b: int, path: str | None = None, *, accepted=(), max_nodes: int = 48,
+              title: str | None = None, keep_open: bool = False):
+    """Draw request ``b`` of ``tree`` (a host :class:`~ddtree_numba.DraftTree`); save it to
+    ``path`` if given (returns ``path``), else leave the figure open (returns the figure).
 
     Parameters
     ----------
@@ -15,8 +16,9 @@ def draw_tree(tree, b: int, path: str, *, accepted=(), max_nodes: int = 48,
         Numpy fields (``tree.to_host()`` for device trees).
     b : int
         The request to draw.
-    path : str
-        Output file (PNG or SVG, by extension).
+    path : str, optional
+        Output file (PNG, SVG or PDF, by extension). None: nothing is written, the matplotlib
+        figure stays open and is returned (sphinx-gallery and notebooks show open figures).
     accepted : sequence of int
         Node indices to highlight (``AcceptResult.accept_nodes[b, :k + 1]``).
     max_nodes : int
@@ -26,7 +28,8 @@ def draw_tree(tree, b: int, path: str, *, accepted=(), max_nodes: int = 48,
     """
     import matplotlib
 
-    matplotlib.use("Agg")
+    if path is not None:
+        matplotlib.use("Agg")           # saving only: no window
     import matplotlib.pyplot as plt
 
     n = min(int(tree.num_nodes[b]), max_nodes)
@@ -61,6 +64,8 @@ def draw_tree(tree, b: int, path: str, *, accepted=(), max_nodes: int = 48,
     ax.set_axis_off()
     ax.set_title(title or f"draft tree of request {b}: token (cumulative log-prob)"
                  + (", accepted path in orange" if accepted else ""), fontsize=10)
+    if path is None:
+        return fig
     fig.savefig(path, dpi=110, bbox_inches="tight")
     if not keep_open:
         plt.close(fig)

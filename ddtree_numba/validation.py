@@ -154,7 +154,8 @@ def check_prefix_lens(prefix_lens, sizes: dict, values: bool):
 
 def check_build_tree(top_log_probs, top_token_ids, root_token_ids, budget, prefix_lens=None,
                      *, check=None) -> TreeSizes:
-    """Inputs of ``build_tree``: see ``DESIGN.md`` and :func:`ddtree_numba.reference.build_tree`.
+    """Inputs of ``build_tree``: see the buffer contract (docs: contracts) and
+    :func:`ddtree_numba.reference.build_tree`.
 
     Value rules: log-probs are not NaN and ``<= 0`` (so a child never outscores its parent),
     each ``[b, d, :]`` row is non-increasing, token ids are ``>= 0`` and distinct within a row.

@@ -7,8 +7,8 @@ project = "ddtree_numba"
 author = "the ddtree_numba developers"
 copyright = "2026, the ddtree_numba developers"
 
-# The examples choose the GPU or the simulator before numba is imported; a docs build has no
-# GPU to rely on, so pin the simulator (CI sets it too).
+# ``import ddtree_numba`` chooses the GPU or the simulator by itself; the docs' figures and
+# gallery are built on the simulator everywhere, so pin it (CI sets it too).
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon",
@@ -54,7 +54,6 @@ sphinx_gallery_conf = {
     "examples_dirs": "../examples",
     "gallery_dirs": "auto_examples",         # regenerated on every build (not committed)
     "filename_pattern": r"/\d\d_",           # execute every numbered example
-    "ignore_pattern": r"_common\.py",
     "within_subsection_order": "FileNameSortKey",
     "download_all_examples": False,
     "remove_config_comments": True,

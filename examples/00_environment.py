@@ -2,23 +2,33 @@
 ===============================================
 
 
-Every example starts the same way: decide between the real GPU and numba's CUDA simulator
-*before* numba is imported (``NUMBA_ENABLE_CUDASIM=1`` selects the simulator), then use the
-same kernels either way. The simulator runs each CUDA thread as a Python thread: slow, tiny
-sizes only, no warp intrinsics and no bfloat16, so every kernel keeps a simulator-runnable
-variant and the fast variants are checked on a GPU.
+``import ddtree_numba`` chooses between the real GPU and numba's CUDA simulator *before* numba is
+imported: the GPU when a CUDA driver and device are present, else the simulator (it says so once
+on stderr). ``DDTREE_BACKEND=gpu`` or ``simulator`` (or numba's own ``NUMBA_ENABLE_CUDASIM=1``)
+chooses explicitly. The same kernels run either way. The simulator runs each CUDA thread as a
+Python thread: slow, tiny sizes only, no warp intrinsics and no bfloat16, so every kernel keeps a
+simulator-runnable variant and the fast variants are checked on a GPU.
 """
 
 # %%
-# Choose the backend, then import numba and the kernels.
-from _common import BACKEND, report  # noqa: I001  (must run before numba is imported)
+# Import ddtree_numba first (it picks the backend), then numba.
+import ddtree_numba  # noqa: I001  (before numba: it chooses numba's CUDA target)
 
 import numpy as np
 from numba import cuda
 
 from ddtree_numba import kernels as K
 
-print(f"backend: {BACKEND}; kernels run {'on the GPU' if not K.SIMULATOR else 'simulated'}")
+print(f"ddtree_numba {ddtree_numba.__version__}: kernels run "
+      f"{'on the GPU' if not K.SIMULATOR else 'on the CUDA simulator'}")
+
+
+def report(name: str, ok: bool) -> None:
+    """Say whether a check matches the reference; stop the example if it does not."""
+    print(f"{name}: {'matches the reference' if ok else 'DIFFERS FROM THE REFERENCE'}")
+    if not ok:
+        raise SystemExit(1)
+
 
 # %%
 # A first kernel: add one to every element, one thread per element.

@@ -9,12 +9,22 @@ the reference's exactly, the log-probs agree to float32 rounding of the log-sum-
 """
 
 # %%
-from _common import pick, report  # noqa: I001
-
 import numpy as np
 
 from ddtree_numba import kernels as K
 from ddtree_numba import reference as ref
+
+
+def report(name: str, ok: bool) -> None:
+    """Say whether a check matches the reference; stop the example if it does not."""
+    print(f"{name}: {'matches the reference' if ok else 'DIFFERS FROM THE REFERENCE'}")
+    if not ok:
+        raise SystemExit(1)
+
+
+def pick(simulator, gpu):
+    """``gpu`` sizes on a GPU, ``simulator`` sizes on numba's CUDA simulator."""
+    return simulator if K.SIMULATOR else gpu
 
 bs, L, V, k = pick((2, 3, 200, 8), (8, 15, 163840, 256))
 rng = np.random.default_rng(0)

@@ -5,20 +5,29 @@
 ``build_tree`` grows one tree per request: starting from the root (the last committed token),
 it repeatedly takes the highest-scoring candidate (a parent and the rank of a token at the
 next depth), so the first ``budget`` nodes are the ``budget`` most likely continuations. The
-kernel must match the reference bit for bit. The picture (``tree.png``) shows each node's token
-and cumulative log-probability.
+kernel must match the reference bit for bit. The picture shows each node's token and cumulative
+log-probability.
 """
 
 # %%
-from _common import pick, report  # noqa: I001
-
 import dataclasses
-import os
 
 import numpy as np
 
 from ddtree_numba import kernels as K
 from ddtree_numba import reference as ref
+
+
+def report(name: str, ok: bool) -> None:
+    """Say whether a check matches the reference; stop the example if it does not."""
+    print(f"{name}: {'matches the reference' if ok else 'DIFFERS FROM THE REFERENCE'}")
+    if not ok:
+        raise SystemExit(1)
+
+
+def pick(simulator, gpu):
+    """``gpu`` sizes on a GPU, ``simulator`` sizes on numba's CUDA simulator."""
+    return simulator if K.SIMULATOR else gpu
 
 bs, L, k, budget = pick((2, 4, 4, 16), (64, 15, 256, 256))
 rng = np.random.default_rng(1)
@@ -36,9 +45,9 @@ report("build_tree (every field)", same)
 
 # %%
 # Draw request 0 (``ddtree_numba.plot.draw_tree``): depth down the page, siblings side by side,
-# the cumulative log-probability under each token.
+# the cumulative log-probability under each token. The figure stays open (the gallery and
+# notebooks show it); ``draw_tree(want, 0, "tree.png")`` would save it instead.
 from ddtree_numba.plot import draw_tree  # noqa: E402
 
-out = os.environ.get("DDTREE_EXAMPLE_OUT", ".")
-print("drew", draw_tree(want, 0, os.path.join(out, "tree.png"), max_nodes=40,
-                           keep_open=True))
+fig = draw_tree(want, 0, max_nodes=40)
+print(f"drew the first {min(40, int(want.num_nodes[0]))} nodes of request 0")

@@ -10,13 +10,23 @@ float64 reference by relative error (bound 2e-5: float32 accumulation).
 """
 
 # %%
-from _common import pick, report  # noqa: I001
-
 import numpy as np
 
 from ddtree_numba import kernels as K
 from ddtree_numba import reference as ref
 from ddtree_numba.paging import shuffled_block_table
+
+
+def report(name: str, ok: bool) -> None:
+    """Say whether a check matches the reference; stop the example if it does not."""
+    print(f"{name}: {'matches the reference' if ok else 'DIFFERS FROM THE REFERENCE'}")
+    if not ok:
+        raise SystemExit(1)
+
+
+def pick(simulator, gpu):
+    """``gpu`` sizes on a GPU, ``simulator`` sizes on numba's CUDA simulator."""
+    return simulator if K.SIMULATOR else gpu
 
 bs, budget, H, Dc, Dr, page, max_prefix = pick((2, 6, 2, 16, 8, 4, 12),
                                                (2, 63, 64, 512, 64, 64, 2000))

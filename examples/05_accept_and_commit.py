@@ -9,8 +9,6 @@ bonus token. ``commit_kv`` then moves the accepted nodes' cache rows from slots 
 """
 
 # %%
-from _common import report  # noqa: I001
-
 import dataclasses
 
 import numpy as np
@@ -18,6 +16,13 @@ import numpy as np
 from ddtree_numba import kernels as K
 from ddtree_numba import reference as ref
 from ddtree_numba.paging import shuffled_block_table
+
+
+def report(name: str, ok: bool) -> None:
+    """Say whether a check matches the reference; stop the example if it does not."""
+    print(f"{name}: {'matches the reference' if ok else 'DIFFERS FROM THE REFERENCE'}")
+    if not ok:
+        raise SystemExit(1)
 
 rng = np.random.default_rng(4)
 top_lp, top_ids = ref.draft_topk((rng.standard_normal((2, 4, 16)) * 2).astype(np.float32), 3)

@@ -13,18 +13,28 @@ step against the numpy reference step on the same drafter logits.
 """
 
 # %%
-from _common import ON_GPU, pick, report  # noqa: I001
-
-import os
 import time
 
 import numpy as np
 
 from ddtree_numba import GreedyStep
+from ddtree_numba.kernels import SIMULATOR
 from ddtree_numba.models.toy_drafter import ToyDrafter
 from ddtree_numba.models.toy_mla import ToyMLA, ToyMLAConfig
 from ddtree_numba.models.toy_mla_device import DeviceToyMLA
 from ddtree_numba.step.demo import checked_run
+
+
+def report(name: str, ok: bool) -> None:
+    """Say whether a check matches the reference; stop the example if it does not."""
+    print(f"{name}: {'matches the reference' if ok else 'DIFFERS FROM THE REFERENCE'}")
+    if not ok:
+        raise SystemExit(1)
+
+
+def pick(simulator, gpu):
+    """``gpu`` sizes on a GPU, ``simulator`` sizes on numba's CUDA simulator."""
+    return simulator if SIMULATOR else gpu
 
 config = pick(ToyMLAConfig.tiny(), ToyMLAConfig.gpu())
 bs, L, K, budget, steps = pick((2, 4, 3, 12, 4), (4, 8, 8, 64, 12))
@@ -56,7 +66,7 @@ report("speculative output == plain greedy decoding",
 # %%
 # On a GPU, the same launches captured once as a CUDA graph and replayed every step: the host
 # only enqueues one graph (a few microseconds), whatever the number of kernels.
-if ON_GPU:
+if not SIMULATOR:
     graph_step = GreedyStep(DeviceToyMLA(model), ToyDrafter(continuation, vocab=config.vocab,
                                                             accuracy=0.8),
                             bs=bs, L=L, K=K, budget=budget, max_steps=steps, mode="graph")
@@ -77,7 +87,6 @@ s, b = max(((s, b) for s in range(steps) for b in range(bs)),
            key=lambda sb: int(run["history"][sb[0]]["accept"].accept_len[sb[1]]))
 h = run["history"][s]
 k = int(h["accept"].accept_len[b])
-out = os.environ.get("DDTREE_EXAMPLE_OUT", ".")
-print("drew", draw_tree(h["tree"], b, os.path.join(out, "accepted_path.png"),
-                        accepted=h["accept"].accept_nodes[b, : k + 1], keep_open=True,
-                        title=f"step {s}, request {b}: {k} draft tokens accepted (orange)"))
+fig = draw_tree(h["tree"], b, accepted=h["accept"].accept_nodes[b, : k + 1],
+                title=f"step {s}, request {b}: {k} draft tokens accepted (orange)")
+print(f"drew the tree of step {s}, request {b} (pass a path to draw_tree to save it)")

@@ -30,7 +30,11 @@ def report_rows():
     done = run_real_target(["build-report", "--cc", "12.0", "--cc", "9.0", "--json",
                             "--strict"])
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    return json.loads(done.stdout)
+    rows = json.loads(done.stdout)                 # stdout: the JSON alone
+    per_cc = len(rows) // 2
+    for cc in ("120", "90"):                        # progress on stderr, one line per kernel
+        assert f"compiling {per_cc} kernels for sm_{cc}: {per_cc}/{per_cc} " in done.stderr
+    return rows
 
 
 def test_every_kernel_compiles_for_sm120_and_sm90(report_rows):

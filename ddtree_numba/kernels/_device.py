@@ -5,6 +5,8 @@
   simulator-runnable variant.
 * :func:`as_device` accepts numpy arrays and any CUDA Array Interface array (numba, CuPy,
   torch) without copying device data; bfloat16 travels as its raw ``uint16`` bits.
+* :func:`launch` configures a launch of the library's kernels without numba's low-occupancy
+  warning (small grids are by design here).
 * :func:`launch_stream` gives the stream launches go to (the default stream, or the one a
   caller set with :func:`use_stream`, e.g. a CuPy stream during CUDA-graph capture).
 """
@@ -18,11 +20,14 @@ import threading
 import numpy as np
 from numba import config, cuda
 
+from .._platform import announce_simulator
 from ..arrays import BFLOAT16, array_source
 
 SIMULATOR: bool = bool(config.ENABLE_CUDASIM)
 
 if SIMULATOR:
+    announce_simulator()        # once per process, only if chosen automatically
+
     # The simulator runs each CUDA thread as a Python thread and each syncthreads() as a
     # barrier; with CPython's default 5 ms GIL switch interval a block-wide barrier costs
     # milliseconds. A 50 us interval makes barrier-heavy kernels ~8x faster to simulate.
@@ -97,6 +102,28 @@ def device_empty(shape, dtype):
 def launch_stream():
     """The stream kernels launch on: the innermost :func:`use_stream`, else the default (0)."""
     return _stream_stack[-1] if _stream_stack else 0
+
+
+def launch(kernel, griddim, blockdim, stream=None):
+    """``kernel[griddim, blockdim, stream]`` (``stream`` defaults to :func:`launch_stream`),
+    without numba's ``NumbaPerformanceWarning: Grid size N will likely result in GPU
+    under-utilization``: the library's small grids (one block per request, a few per tile) are
+    by design, and numba-cuda would warn on every step's launches.
+
+    numba-cuda checks ``config.CUDA_LOW_OCCUPANCY_WARNINGS`` when a launch is configured
+    (``_LaunchConfiguration.__init__``), so the flag is off only while this configures the
+    library's own kernel; the user's kernels still warn. Not thread-safe (a launch configured
+    at the same moment by another thread may miss its warning), cheap: two attribute writes,
+    ~0.1 us per launch, where ``warnings.catch_warnings`` costs ~1-2 us and resets every
+    module's once-only warning registry.
+    """
+    stream = launch_stream() if stream is None else stream
+    saved = getattr(config, "CUDA_LOW_OCCUPANCY_WARNINGS", 0)
+    config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
+    try:
+        return kernel[griddim, blockdim, stream]
+    finally:
+        config.CUDA_LOW_OCCUPANCY_WARNINGS = saved
 
 
 @contextlib.contextmanager

@@ -68,7 +68,7 @@ from numba import cuda, float32, int16, int32, uint32
 from ..contracts import DraftTree
 from ..limits import MAX_DEPTH, MAX_NODES, MAX_WORDS, ceil_words
 from ..validation import check_build_tree
-from ._device import SIMULATOR, as_device, device_empty, launch_stream, resolve_variant
+from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream, resolve_variant
 from ._primitives import float_of_key, key_of_float, warp_max_u32
 
 NODE_CAPACITY = MAX_NODES           # 1056 = 32 lanes x 33 nodes
@@ -442,9 +442,9 @@ def launch_select(variant: str, lp, budget: int, tree: DraftTree, ranks) -> None
     node_table = (tree.parents, tree.depths, tree.log_weights, tree.next_token,
                   tree.next_sibling, ranks, tree.num_nodes)
     if variant == "warp":
-        _select_warp_kernel[bs, SELECT_THREADS, launch_stream()](lp, budget, *node_table)
+        launch(_select_warp_kernel, bs, SELECT_THREADS, launch_stream())(lp, budget, *node_table)
     else:
-        _select_scan_kernel[bs, 1, launch_stream()](lp, budget, *node_table)
+        launch(_select_scan_kernel, bs, 1, launch_stream())(lp, budget, *node_table)
 
 
 def launch_finish(top_token_ids, root_token_ids, prefix, has_prefix, tree: DraftTree,
@@ -452,7 +452,7 @@ def launch_finish(top_token_ids, root_token_ids, prefix, has_prefix, tree: Draft
     """Launch the finish kernel alone (validated device inputs; used by the benchmarks)."""
     bs, N = tree.parents.shape
     grid = (math.ceil(N / FINISH_ROWS), bs)
-    _finish_kernel[grid, FINISH_THREADS, launch_stream()](
+    launch(_finish_kernel, grid, FINISH_THREADS, launch_stream())(
         top_token_ids, root_token_ids, prefix, has_prefix, tree.parents, tree.depths, ranks,
         tree.num_nodes, tree.token_ids, tree.positions, tree.visibility_bits, tree.visibility)
 

@@ -25,7 +25,7 @@ import numpy as np
 from numba import cuda, int32
 
 from ..validation import check_commit_kv
-from ._device import SIMULATOR, as_device, device_empty, launch_stream
+from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream
 
 COMMIT_THREADS = 32 if SIMULATOR else 128
 CHUNK = 16      # moves per register chunk: k <= L <= 15 in DDTree, so usually one chunk
@@ -100,7 +100,7 @@ def commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len, *, c
     stream = launch_stream()
     if sz.bs:
         grid = (math.ceil(sz.D / COMMIT_THREADS), sz.bs)
-        _commit_kv_kernel[grid, COMMIT_THREADS, stream](cache, *args, new_prefix)
+        launch(_commit_kv_kernel, grid, COMMIT_THREADS, stream)(cache, *args, new_prefix)
     if host_cache is not None:                      # numpy in: write the result back
         host_cache.view(np.uint16 if host_cache.dtype.itemsize == 2 else host_cache.dtype)[
             ...] = cache.copy_to_host(stream=stream)

@@ -49,7 +49,7 @@ from numba import cuda, float32, int32, uint32, uint64
 from ..arrays import storage_kind
 from ..limits import MAX_K
 from ..validation import check_draft_topk
-from ._device import SIMULATOR, as_device, device_empty, launch_stream
+from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream
 from ._primitives import bits_of_key, bits_to_float, float_of_key, orderable_key
 
 TOPK_THREADS = 32 if SIMULATOR else 512   # a power of two, at most MAX_THREADS
@@ -352,7 +352,7 @@ def draft_topk(logits, k, *, check=None, out=None):
     else:
         top_lp, top_ids = out
     if rows:
-        _kernel(is_bf16)[rows, TOPK_THREADS, launch_stream()](
+        launch(_kernel(is_bf16), rows, TOPK_THREADS, launch_stream())(
             bits, sz.k, top_lp.reshape(rows, sz.k), top_ids.reshape(rows, sz.k))
     return top_lp, top_ids
 

@@ -22,7 +22,7 @@ from numba import cuda, int32
 from ..contracts import AcceptResult
 from ..limits import MAX_NODES
 from ..validation import check_tree_accept
-from ._device import SIMULATOR, as_device, device_empty, launch_stream
+from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream
 
 # 1024 threads stage N <= 1056 entries in at most two rounds of loads: the staging costs one
 # or two DRAM latencies instead of nine (128 threads measured 11.3 us at bs=64, N=1025)
@@ -120,7 +120,7 @@ def tree_accept(token_ids, next_token, next_sibling, target_predict, *, check=No
     args = [as_device(a) for a in (token_ids, next_token, next_sibling, target_predict)]
     res = allocate_accept(sz.bs, sz.N) if out is None else out
     if sz.bs:
-        _tree_accept_kernel[sz.bs, ACCEPT_THREADS, launch_stream()](
+        launch(_tree_accept_kernel, sz.bs, ACCEPT_THREADS, launch_stream())(
             *args, res.accept_nodes, res.accept_len, res.accept_tokens, res.bonus_token)
     return res
 

@@ -95,7 +95,7 @@ from numba.cuda import float32x4
 from ..arrays import storage_kind
 from ..limits import MAX_DC
 from ..validation import check_verify_attn
-from ._device import SIMULATOR, as_device, device_empty, launch_stream, resolve_variant
+from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream, resolve_variant
 from ._primitives import bits_to_float, float_to_bits
 
 NEG_INF = float32(-np.inf)
@@ -724,8 +724,8 @@ def verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visibility
     args = (ql, qr, cache, table, prefix, bits, nodes, np.float32(sm_scale))
     if variant == "readable":
         rows = sz.bs * sz.N * sz.H
-        _kernel("readable", kind)[(rows + READABLE_THREADS - 1) // READABLE_THREADS,
-                                  READABLE_THREADS, stream](*args, out_latent, lse)
+        launch(_kernel("readable", kind), (rows + READABLE_THREADS - 1) // READABLE_THREADS,
+               READABLE_THREADS, stream)(*args, out_latent, lse)
         return out_latent, lse
     n_splits, per_split = plan_splits(sz.bs, sz.N, sz.H, sz.max_pages * sz.page_size, splits)
     if workspace is None:
@@ -739,9 +739,9 @@ def verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visibility
                          f"{list(part_lse.shape)}")
     row_tiles = -(-sz.N * sz.H // BM)
     flats = (ql.reshape(ql.size), qr.reshape(qr.size), cache.reshape(cache.size))
-    _kernel("tiled", kind)[(n_splits, row_tiles, sz.bs), TILED_THREADS, stream](
+    launch(_kernel("tiled", kind), (n_splits, row_tiles, sz.bs), TILED_THREADS, stream)(
         *args, per_split, part_out, part_lse, *flats)
-    _merge_kernel[(sz.N * sz.H, sz.bs), 128, stream](
+    launch(_merge_kernel, (sz.N * sz.H, sz.bs), 128, stream)(
         part_out, part_lse, nodes, out_latent, lse)
     return out_latent, lse
 

@@ -26,7 +26,7 @@ import numpy as np
 from numba import cuda, float32, float64
 
 from ..arrays import host_view
-from ..kernels._device import SIMULATOR, launch_stream
+from ..kernels._device import SIMULATOR, launch, launch_stream
 
 TILE = 16            # linear: a TILE x TILE block computes a TILE x TILE output tile
 TILE_PAD = 17        # TILE + 1 (shared-array shapes must be literal constants)
@@ -186,30 +186,30 @@ class KernelDenseOps:
     name = "kernels"
 
     def embed(self, tokens, table, out):
-        _embed_kernel[out.shape[0], ROW_THREADS, launch_stream()](tokens, table, out)
+        launch(_embed_kernel, out.shape[0], ROW_THREADS, launch_stream())(tokens, table, out)
 
     def rms_norm(self, x, weight, out, eps):
-        _rms_norm_kernel[x.shape[0], ROW_THREADS, launch_stream()](x, weight, out,
+        launch(_rms_norm_kernel, x.shape[0], ROW_THREADS, launch_stream())(x, weight, out,
                                                                   np.float32(eps))
 
     def linear(self, x, w, out, residual=None):
         """``out = x @ w (+ residual)``; ``w`` is ``[G, Din, Dout]`` (grouped per head)."""
         groups, _, d_out = w.shape
         grid = ((d_out + TILE - 1) // TILE, (x.shape[0] + TILE - 1) // TILE, groups)
-        _linear_kernel[grid, (TILE, TILE), launch_stream()](
+        launch(_linear_kernel, grid, (TILE, TILE), launch_stream())(
             x, w, out, out if residual is None else residual, residual is not None)
 
     def rope(self, x, positions, inv_freq):
-        _rope_kernel[x.shape[0], ROW_THREADS, launch_stream()](x, positions, inv_freq)
+        launch(_rope_kernel, x.shape[0], ROW_THREADS, launch_stream())(x, positions, inv_freq)
 
     def kv_write(self, kv, kv_norm, inv_freq, positions, num_nodes, prefix_lens, block_table,
                  cache, eps):
-        _kv_write_kernel[kv.shape[0], ROW_THREADS, launch_stream()](
+        launch(_kv_write_kernel, kv.shape[0], ROW_THREADS, launch_stream())(
             kv, kv_norm, inv_freq, positions, num_nodes, prefix_lens, block_table, cache,
             np.float32(eps))
 
     def silu_mul(self, gate_up, out):
-        _silu_mul_kernel[out.shape[0], ROW_THREADS, launch_stream()](gate_up, out)
+        launch(_silu_mul_kernel, out.shape[0], ROW_THREADS, launch_stream())(gate_up, out)
 
 class HostDenseOps:
     """The same operations in numpy float32, in place on numpy arrays or on the simulator's

@@ -18,7 +18,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint64
 
 from ..arrays import host_view
-from ..kernels._device import SIMULATOR, as_device, launch_stream
+from ..kernels._device import SIMULATOR, as_device, launch, launch_stream
 
 ROW_THREADS = 128    # threads per block: one block per (request, draft position)
 
@@ -88,7 +88,7 @@ class KernelDraftOps:
 
     def draft(self, continuation, prefix_lens, seed, accuracy, confidence, noise_scale, logits):
         bs, L, _ = logits.shape
-        _draft_kernel[(L, bs), ROW_THREADS, launch_stream()](
+        launch(_draft_kernel, (L, bs), ROW_THREADS, launch_stream())(
             continuation, prefix_lens, np.uint32(seed), np.float32(accuracy),
             np.float32(confidence), np.float32(noise_scale), logits)
 

@@ -135,9 +135,11 @@ def run_demo(*, bs=None, steps=None, L=None, k=None, budget=None, accuracy: floa
              seed: int = 0, plot: str | None = None, out=print) -> dict:
     """Decode with the toy MLA target and check the result (see the module docstring)."""
     base = default_sizes(not K.SIMULATOR)
-    sizes = DemoSizes(bs=bs or base.bs, steps=steps or base.steps, L=L or base.L,
-                      K=k or base.K, budget=base.budget if budget is None else budget,
-                      config=base.config)
+    def given(value, default):          # 0 is a value (GreedyStep refuses it), not "default"
+        return default if value is None else value
+
+    sizes = DemoSizes(bs=given(bs, base.bs), steps=given(steps, base.steps), L=given(L, base.L),
+                      K=given(k, base.K), budget=given(budget, base.budget), config=base.config)
     model = ToyMLA(sizes.config)
     rng = np.random.default_rng(seed)
     starts = rng.integers(0, sizes.config.vocab, sizes.bs).astype(np.int32)

@@ -18,7 +18,7 @@ import numpy as np
 from numba import cuda, float32, int32
 
 from ..arrays import host_view
-from ..kernels._device import SIMULATOR, launch_stream
+from ..kernels._device import SIMULATOR, launch, launch_stream
 
 ROW_THREADS = 128    # argmax: threads per block (one block per row of logits)
 ADVANCE_THREADS = 32
@@ -86,7 +86,7 @@ class KernelStepOps:
     def argmax(self, logits, num_nodes, predict):
         """``predict[b, j] = argmax(logits[b N + j])`` (smallest index on ties), ``-1`` on
         padding rows ``j >= num_nodes[b]``."""
-        _argmax_kernel[logits.shape[0], ROW_THREADS, launch_stream()](logits, num_nodes,
+        launch(_argmax_kernel, logits.shape[0], ROW_THREADS, launch_stream())(logits, num_nodes,
                                                                      predict)
 
     def advance(self, accept, new_prefix_lens, prefix_lens, root_token_ids, emitted,
@@ -94,7 +94,7 @@ class KernelStepOps:
         """Append each request's committed tokens to ``emitted``; make ``new_prefix_lens`` and
         the bonus tokens the next step's ``prefix_lens`` and roots."""
         bs = prefix_lens.shape[0]
-        _advance_kernel[math.ceil(bs / ADVANCE_THREADS), ADVANCE_THREADS, launch_stream()](
+        launch(_advance_kernel, math.ceil(bs / ADVANCE_THREADS), ADVANCE_THREADS, launch_stream())(
             accept.accept_tokens, accept.accept_len, accept.bonus_token, new_prefix_lens,
             prefix_lens, root_token_ids, emitted, emitted_count)
 
