@@ -36,7 +36,7 @@ from .arrays import (
     dtype_name,
     host_values,
 )
-from .limits import ceil_words
+from .limits import MAX_ELEMENTS, ceil_words
 
 
 def _expected(dtypes, dims) -> str:
@@ -203,6 +203,19 @@ def check_build_tree(top_log_probs, top_token_ids, root_token_ids, budget, prefi
     return TreeSizes(sizes["bs"], sizes["L"], sizes["K"], budget)
 
 
+def check_host_tree_size(name: str, bs: int, N: int, got: str):
+    """A host ``DraftTree`` of ``bs`` trees of capacity ``N`` fits the host: its largest buffer,
+    the ``bool[bs, N, N]`` visibility mask, holds at most ``MAX_ELEMENTS`` elements (``bs``
+    counted as at least 1, so the bound does not depend on an empty batch)."""
+    elements = max(bs, 1) * N * N
+    if elements > MAX_ELEMENTS:
+        raise ValueError(
+            f"{name}: expected a tree capacity N with bs * N * N <= {MAX_ELEMENTS} (the "
+            f"bool[bs, N, N] visibility mask the reference allocates), got {got} with bs={bs}: "
+            f"{elements} elements"
+        )
+
+
 def check_tree_from_parents(parents, token_ids, prefix_lens=None):
     """``parents`` int32 ``[bs, N]``: -1 at the root and padding, ``0 <= parents[i] < i``
     for every other node; nodes ``0..n-1`` valid, the rest padding. Returns ``num_nodes``."""
@@ -211,6 +224,7 @@ def check_tree_from_parents(parents, token_ids, prefix_lens=None):
     require_array("token_ids", token_ids, (INT32,), ("bs", "N"), sizes)
     if sizes["N"] < 1:
         raise ValueError("parents: expected N >= 1 (node 0 is the root)")
+    check_host_tree_size("parents", sizes["bs"], sizes["N"], f"N={sizes['N']}")
     if prefix_lens is not None:
         check_prefix_lens(prefix_lens, sizes, True)
     par = host_values(parents)
