@@ -36,7 +36,7 @@ from .arrays import (
     dtype_name,
     host_values,
 )
-from .limits import MAX_ELEMENTS, ceil_words
+from .limits import MAX_ELEMENTS, MAX_POSITION, ceil_words
 
 
 def _expected(dtypes, dims) -> str:
@@ -143,21 +143,40 @@ class TreeSizes:
         return ceil_words(self.N)
 
 
+def check_prefix_range(prefix_lens, N: int):
+    """``0 <= P`` and ``P + N <= MAX_POSITION`` for every request: tree positions
+    ``P + depth`` and slots ``P + j`` (``j < N``) and the committed length ``P + k + 1`` are
+    int32 on the device and must not wrap around."""
+    p = host_values(prefix_lens).astype(np.int64)
+    if (p < 0).any():
+        b = int(np.flatnonzero(p < 0)[0])
+        raise ValueError(f"prefix_lens: expected values >= 0, got {int(p[b])} in request {b}")
+    over = p + N > MAX_POSITION
+    if over.any():
+        b = int(np.flatnonzero(over)[0])
+        raise ValueError(
+            f"prefix_lens: expected P + N <= {MAX_POSITION} (positions and cache slots are "
+            f"int32), got P={int(p[b])} + N={N} = {int(p[b]) + N} in request {b}"
+        )
+
+
 def check_prefix_lens(prefix_lens, sizes: dict, values: bool):
+    """``prefix_lens`` int32 ``[bs]``; with ``values``, each ``P`` in ``[0, MAX_POSITION - N]``
+    (``sizes["N"]``, the tree capacity, must be known)."""
     info = require_array("prefix_lens", prefix_lens, (INT32,), ("bs",), sizes)
     if values:
-        p = host_values(prefix_lens)
-        if (p < 0).any():
-            raise ValueError(f"prefix_lens: expected values >= 0, got {int(p.min())}")
+        check_prefix_range(prefix_lens, sizes["N"])
     return info
 
 
 def check_build_tree(top_log_probs, top_token_ids, root_token_ids, budget, prefix_lens=None,
                      *, check=None) -> TreeSizes:
-    """Inputs of ``build_tree``: see ``DESIGN.md`` and :func:`ddtree_numba.reference.build_tree`.
+    """Inputs of ``build_tree``: see the *Buffer contracts* page of the docs and
+    :func:`ddtree_numba.reference.build_tree`.
 
     Value rules: log-probs are not NaN and ``<= 0`` (so a child never outscores its parent),
-    each ``[b, d, :]`` row is non-increasing, token ids are ``>= 0`` and distinct within a row.
+    each ``[b, d, :]`` row is non-increasing, token ids are ``>= 0`` and distinct within a row,
+    prefix lengths are in ``[0, MAX_POSITION - N]`` (positions ``P + depth`` are int32).
     """
     sizes: dict = {}
     infos = [
@@ -198,8 +217,8 @@ def check_build_tree(top_log_probs, top_token_ids, root_token_ids, budget, prefi
         roots = host_values(root_token_ids)
         if (roots < 0).any():
             raise ValueError(f"root_token_ids: expected ids >= 0, got {int(roots.min())}")
-        if prefix_lens is not None and (host_values(prefix_lens) < 0).any():
-            raise ValueError("prefix_lens: expected values >= 0, got a negative one")
+        if prefix_lens is not None:
+            check_prefix_range(prefix_lens, budget + 1)
     return TreeSizes(sizes["bs"], sizes["L"], sizes["K"], budget)
 
 
@@ -310,10 +329,9 @@ def check_verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visi
 
 def check_paged_slots(block_table, prefix_lens, N, num_pages, page_size):
     """Slots ``[0, P + N)`` of every request map to valid, distinct pages of the cache."""
+    check_prefix_range(prefix_lens, N)
     table = host_values(block_table)
     prefix = host_values(prefix_lens)
-    if (prefix < 0).any():
-        raise ValueError(f"prefix_lens: expected values >= 0, got {prefix.tolist()}")
     capacity = table.shape[1] * page_size
     used = []
     for b in range(table.shape[0]):

@@ -213,3 +213,56 @@ def test_kernel_variant_is_checked():
         a["variant"] = "warp"
         with pytest.raises(ValueError, match="needs warp intrinsics"):
             call_build(K, a)
+
+
+# --------------------------------------------------------------------------------------------
+# Positions and slots are int32: prefix_lens + N must not pass MAX_POSITION
+# --------------------------------------------------------------------------------------------
+POSITION_MESSAGE = r"prefix_lens: expected P \+ N <= 2147483647"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_build_tree_rejects_positions_past_int32(impl):
+    """``positions = prefix_lens + depths`` wrapped around int32 (to negative positions)."""
+    a = good_tree_args()                                # budget 5: N = 6
+    a["prefix_lens"] = np.array([0, 2**31 - 6], np.int32)
+    with pytest.raises(ValueError, match=POSITION_MESSAGE):
+        call_build(impl, a)
+    a["prefix_lens"] = np.array([0, 2**31 - 7], np.int32)    # P + N = MAX_POSITION: fine
+    tree = call_build(impl, a).to_host()
+    assert tree.positions[1].max() == 2**31 - 7 + tree.depths[1].max()
+
+
+def test_tree_from_parents_rejects_positions_past_int32():
+    parents, tokens = np.array([[-1, 0, 1]], np.int32), np.array([[1, 2, 3]], np.int32)
+    with pytest.raises(ValueError, match=POSITION_MESSAGE):
+        ref.tree_from_parents(parents, tokens, prefix_lens=np.array([2**31 - 3], np.int32))
+    tree = ref.tree_from_parents(parents, tokens, prefix_lens=np.array([2**31 - 4], np.int32))
+    assert tree.positions.tolist() == [[2**31 - 4, 2**31 - 3, 2**31 - 2]]
+
+
+def huge_table(P, N):
+    """A block table whose capacity passes ``P + N``: every slot check but the position one
+    would pass or blame the table (2**19 + 1 pages of 4096 slots, all page 0)."""
+    return np.zeros((1, 2**19 + 1), np.int32), np.zeros((2, 4096, 3), np.float32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_commit_kv_rejects_slots_past_int32(impl):
+    P, N = 2**31 - 3, 4
+    table, cache = huge_table(P, N)
+    nodes = np.array([[0, 1, -1, -1]], np.int32)
+    with pytest.raises(ValueError, match=POSITION_MESSAGE):
+        impl.commit_kv(cache, table, np.array([P], np.int32), nodes, np.array([1], np.int32))
+    assert not cache.any()
+
+
+def test_verify_attn_check_rejects_slots_past_int32():
+    from ddtree_numba.validation import check_verify_attn
+
+    a = attn_args()                                     # N = 3, Dc = 4, Dr = 2
+    table, _ = huge_table(2**31 - 2, 3)
+    cache = np.zeros((2, 4096, 6), np.float32)
+    with pytest.raises(ValueError, match=POSITION_MESSAGE):
+        check_verify_attn(a[0], a[1], cache, table, np.array([2**31 - 2], np.int32), a[5],
+                          a[6], 0.5)
