@@ -186,7 +186,9 @@ def check_build_tree(top_log_probs, top_token_ids, root_token_ids, budget, prefi
     ]
     if sizes["L"] < 1 or sizes["K"] < 1:
         raise ValueError(f"top_log_probs: expected L >= 1 and K >= 1, got {describe(infos[0])}")
-    budget = require_int("budget", budget, low=0)
+    # N = budget + 1 positions 0..N-1 must be int32 even at P = 0 (the reference has no other
+    # bound of its own; the kernels and the host add theirs)
+    budget = require_int("budget", budget, low=0, high=MAX_POSITION - 1)
     if prefix_lens is not None:
         infos.append(require_array("prefix_lens", prefix_lens, (INT32,), ("bs",), sizes))
     if _values_wanted(infos, check):
@@ -300,10 +302,14 @@ def check_verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visi
     if sizes["D"] != sizes["Dc"] + sizes["Dr"]:
         raise ValueError(f"kv_cache: expected last axis Dc + Dr = {sizes['Dc'] + sizes['Dr']} "
                          f"(latent first, rope last), got {sizes['D']}")
+    require_page_size(infos[2], sizes)
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
         raise TypeError(f"sm_scale: expected a float, got {type(sm_scale).__name__}")
-    if not (np.isfinite(sm_scale) and sm_scale > 0):
-        raise ValueError(f"sm_scale: expected a finite float > 0, got {sm_scale}")
+    with np.errstate(over="ignore", under="ignore"):
+        scale32 = np.float32(sm_scale)          # the kernels scale in float32
+    if not (np.isfinite(scale32) and scale32 > 0):
+        raise ValueError(f"sm_scale: expected a finite float > 0 that float32 holds (the "
+                         f"kernels scale in float32), got {sm_scale}")
     if _values_wanted(infos, check):
         check_paged_slots(block_table, prefix_lens, sizes["N"], sizes["num_pages"],
                           sizes["page_size"])
@@ -325,6 +331,13 @@ def check_verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visi
                                  f"{int(n[b])}")
     return AttnSizes(sizes["bs"], sizes["N"], sizes["H"], sizes["Dc"], sizes["Dr"],
                      sizes["num_pages"], sizes["page_size"], sizes["max_pages"])
+
+
+def require_page_size(cache_info, sizes: dict):
+    """A cache page holds at least one slot (slot ``t`` is at ``t // page_size``)."""
+    if sizes["page_size"] < 1:
+        raise ValueError(f"kv_cache: expected page_size >= 1 ([num_pages, page_size, D]), got "
+                         f"{describe(cache_info)}")
 
 
 def check_paged_slots(block_table, prefix_lens, N, num_pages, page_size):
@@ -410,6 +423,10 @@ def check_commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len
         require_array("accept_nodes", accept_nodes, (INT32,), ("bs", "N"), sizes),
         require_array("accept_len", accept_len, (INT32,), ("bs",), sizes),
     ]
+    require_page_size(infos[0], sizes)
+    if sizes["N"] < 1:
+        raise ValueError(f"accept_nodes: expected N >= 1 (the path starts at the root), got "
+                         f"{describe(infos[3])}")
     if _values_wanted(infos, check):
         n = sizes["N"]
         check_paged_slots(block_table, prefix_lens, n, sizes["num_pages"], sizes["page_size"])
