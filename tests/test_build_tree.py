@@ -273,9 +273,11 @@ def test_reference_refuses_a_budget_whose_buffers_the_host_cannot_hold():
 
     lp, ids = random_topk(np.random.default_rng(0), 2, 3, 4)
     roots = np.array([1, 2], np.int32)
-    for budget in (2**31, 2**20, 32768):
+    for budget in (2**31 - 2, 2**20, 32768):
         with pytest.raises(ValueError, match=r"budget: expected .* got budget=" + str(budget)):
             ref.build_tree(lp, ids, roots, budget)
+    with pytest.raises(ValueError, match="budget: expected an int in"):
+        ref.build_tree(lp, ids, roots, 2**31)              # N would pass int32 positions
     n = int((MAX_ELEMENTS // 2) ** 0.5)                      # bs * N * N <= MAX_ELEMENTS
     with pytest.raises(ValueError, match="budget"):
         ref.build_tree(lp, ids, roots, n)                   # N = n + 1: just past the bound
