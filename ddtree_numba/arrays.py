@@ -107,8 +107,13 @@ def array_info(name: str, a) -> ArrayInfo:
 
 
 def dtype_name(dtype: np.dtype) -> str:
-    """``"bfloat16"`` for ml_dtypes' bfloat16, numpy's name otherwise."""
-    return "bfloat16" if dtype == BFLOAT16 else np.dtype(dtype).name
+    """``"bfloat16"`` for ml_dtypes' bfloat16, numpy's name otherwise; a byte order other than
+    the machine's is spelled out (``"big-endian float32"``: not the float32 a kernel reads)."""
+    dtype = np.dtype(dtype)
+    name = "bfloat16" if dtype == BFLOAT16 else dtype.name
+    if not dtype.isnative:
+        name = f"{'big' if dtype.byteorder == '>' else 'little'}-endian {name}"
+    return name
 
 
 def describe(info: ArrayInfo) -> str:

@@ -11,7 +11,8 @@ Byte layout (version 1; every integer little-endian; offsets from the start of t
       0  64  name         ASCII [A-Za-z0-9_.-], 1..63 characters, NUL-padded
      64   4  dtype        u32 code (table below)
      68   4  rank         u32, 0..8
-     72  64  shape        8 x u64; entries at and past `rank` are 0
+     72  64  shape        8 x u64; entries at and past `rank` are 0; the non-zero extents
+                          times the itemsize multiply to at most 2**63 - 1
     136   8  offset       u64, where the data starts; a multiple of 64
     144   8  nbytes       u64 = product(shape) * itemsize
     data
@@ -22,10 +23,11 @@ Byte layout (version 1; every integer little-endian; offsets from the start of t
                  7 bfloat16, 8 float32, 9 float64
 
 Reading is defensive: the whole directory is checked (magic, version, count, names, codes,
-ranks, unused shape slots, products without overflow, nbytes, alignment, bounds, overlaps,
-duplicate names) before any tensor is allocated, and every problem raises ``KdtrError``
-(a ``ValueError``) naming the tensor and the field. Names outside the allowed ASCII set are
-rejected when saving and when loading.
+ranks, unused shape slots, products without overflow, extents of empty tensors, nbytes,
+alignment, bounds, overlaps, duplicate names) before any tensor is allocated, and every problem
+raises ``KdtrError`` (a ``ValueError``) naming the tensor and the field. Names outside the
+allowed ASCII set are rejected when saving and when loading; bool tensors are written as bytes
+0 and 1 whatever bytes the array held.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ HEADER = struct.Struct("<4sIII")               # magic, version, count, reserved
 ENTRY = struct.Struct("<64sII8QQQ")            # name, dtype, rank, shape[8], offset, nbytes
 MAX_RANK = 8
 MAX_TENSORS = 65536
+#: Largest product of a shape's non-zero extents times the itemsize: a signed 64-bit byte
+#: count, what numpy (``intp``) and C (``int64_t`` / ``ptrdiff_t`` strides) can index. It bounds
+#: empty tensors too, whose zero extent would otherwise let the others be anything.
+MAX_SPAN = 2**63 - 1
 ALIGN = 64
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,63}")
 
@@ -86,10 +92,15 @@ def save_kdtr(path, **arrays) -> None:
         if not NAME_PATTERN.fullmatch(name):
             raise KdtrError(f"tensor name {name!r}: expected 1 to 63 characters of "
                             "[A-Za-z0-9_.-] (ASCII only)")
-        array = np.asarray(value)
+        try:
+            array = np.asarray(value)
+        except (ValueError, TypeError) as error:    # ragged nested lists, odd objects
+            raise KdtrError(f"{name}: cannot be stored as an array: {error}") from None
         code = _code_of(name, array)
         if array.ndim > MAX_RANK:
             raise KdtrError(f"{name}: rank {array.ndim} > {MAX_RANK}")
+        if code == CODE_OF[np.dtype("?")]:
+            array = array.view(np.uint8) != 0       # bool bytes other than 0 / 1 -> 0 / 1
         data = np.ascontiguousarray(array.astype(DTYPE_CODES[code], copy=False)).tobytes()
         shape = list(array.shape) + [0] * (MAX_RANK - array.ndim)
         entries.append(ENTRY.pack(name.encode("ascii"), code, array.ndim, *shape, offset,
@@ -160,7 +171,12 @@ def parse_directory(buffer: bytes) -> list:
         shape = tuple(int(s) for s in shape_slots[:rank])
         dtype = DTYPE_CODES[code]
         count_elems = 1
+        span = dtype.itemsize                   # bytes of the non-zero extents
         for extent in shape:                    # Python ints: no overflow, but bound it
+            span *= max(extent, 1)
+            if span > MAX_SPAN:
+                raise KdtrError(f"tensor {name}: shape {shape} too large: its non-zero "
+                                f"extents span more than {MAX_SPAN} bytes")
             count_elems *= extent
             if count_elems * dtype.itemsize > size:
                 raise KdtrError(f"tensor {name}: shape {shape} needs more bytes than the "

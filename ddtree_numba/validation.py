@@ -36,7 +36,7 @@ from .arrays import (
     dtype_name,
     host_values,
 )
-from .limits import ceil_words
+from .limits import MAX_ELEMENTS, MAX_POSITION, ceil_words
 
 
 def _expected(dtypes, dims) -> str:
@@ -143,12 +143,29 @@ class TreeSizes:
         return ceil_words(self.N)
 
 
+def check_prefix_range(prefix_lens, N: int):
+    """``0 <= P`` and ``P + N <= MAX_POSITION`` for every request: tree positions
+    ``P + depth`` and slots ``P + j`` (``j < N``) and the committed length ``P + k + 1`` are
+    int32 on the device and must not wrap around."""
+    p = host_values(prefix_lens).astype(np.int64)
+    if (p < 0).any():
+        b = int(np.flatnonzero(p < 0)[0])
+        raise ValueError(f"prefix_lens: expected values >= 0, got {int(p[b])} in request {b}")
+    over = p + N > MAX_POSITION
+    if over.any():
+        b = int(np.flatnonzero(over)[0])
+        raise ValueError(
+            f"prefix_lens: expected P + N <= {MAX_POSITION} (positions and cache slots are "
+            f"int32), got P={int(p[b])} + N={N} = {int(p[b]) + N} in request {b}"
+        )
+
+
 def check_prefix_lens(prefix_lens, sizes: dict, values: bool):
+    """``prefix_lens`` int32 ``[bs]``; with ``values``, each ``P`` in ``[0, MAX_POSITION - N]``
+    (``sizes["N"]``, the tree capacity, must be known)."""
     info = require_array("prefix_lens", prefix_lens, (INT32,), ("bs",), sizes)
     if values:
-        p = host_values(prefix_lens)
-        if (p < 0).any():
-            raise ValueError(f"prefix_lens: expected values >= 0, got {int(p.min())}")
+        check_prefix_range(prefix_lens, sizes["N"])
     return info
 
 
@@ -158,7 +175,8 @@ def check_build_tree(top_log_probs, top_token_ids, root_token_ids, budget, prefi
     :func:`ddtree_numba.reference.build_tree`.
 
     Value rules: log-probs are not NaN and ``<= 0`` (so a child never outscores its parent),
-    each ``[b, d, :]`` row is non-increasing, token ids are ``>= 0`` and distinct within a row.
+    each ``[b, d, :]`` row is non-increasing, token ids are ``>= 0`` and distinct within a row,
+    prefix lengths are in ``[0, MAX_POSITION - N]`` (positions ``P + depth`` are int32).
     """
     sizes: dict = {}
     infos = [
@@ -168,7 +186,9 @@ def check_build_tree(top_log_probs, top_token_ids, root_token_ids, budget, prefi
     ]
     if sizes["L"] < 1 or sizes["K"] < 1:
         raise ValueError(f"top_log_probs: expected L >= 1 and K >= 1, got {describe(infos[0])}")
-    budget = require_int("budget", budget, low=0)
+    # N = budget + 1 positions 0..N-1 must be int32 even at P = 0 (the reference has no other
+    # bound of its own; the kernels and the host add theirs)
+    budget = require_int("budget", budget, low=0, high=MAX_POSITION - 1)
     if prefix_lens is not None:
         infos.append(require_array("prefix_lens", prefix_lens, (INT32,), ("bs",), sizes))
     if _values_wanted(infos, check):
@@ -199,9 +219,22 @@ def check_build_tree(top_log_probs, top_token_ids, root_token_ids, budget, prefi
         roots = host_values(root_token_ids)
         if (roots < 0).any():
             raise ValueError(f"root_token_ids: expected ids >= 0, got {int(roots.min())}")
-        if prefix_lens is not None and (host_values(prefix_lens) < 0).any():
-            raise ValueError("prefix_lens: expected values >= 0, got a negative one")
+        if prefix_lens is not None:
+            check_prefix_range(prefix_lens, budget + 1)
     return TreeSizes(sizes["bs"], sizes["L"], sizes["K"], budget)
+
+
+def check_host_tree_size(name: str, bs: int, N: int, got: str):
+    """A host ``DraftTree`` of ``bs`` trees of capacity ``N`` fits the host: its largest buffer,
+    the ``bool[bs, N, N]`` visibility mask, holds at most ``MAX_ELEMENTS`` elements (``bs``
+    counted as at least 1, so the bound does not depend on an empty batch)."""
+    elements = max(bs, 1) * N * N
+    if elements > MAX_ELEMENTS:
+        raise ValueError(
+            f"{name}: expected a tree capacity N with bs * N * N <= {MAX_ELEMENTS} (the "
+            f"bool[bs, N, N] visibility mask the reference allocates), got {got} with bs={bs}: "
+            f"{elements} elements"
+        )
 
 
 def check_tree_from_parents(parents, token_ids, prefix_lens=None):
@@ -212,6 +245,7 @@ def check_tree_from_parents(parents, token_ids, prefix_lens=None):
     require_array("token_ids", token_ids, (INT32,), ("bs", "N"), sizes)
     if sizes["N"] < 1:
         raise ValueError("parents: expected N >= 1 (node 0 is the root)")
+    check_host_tree_size("parents", sizes["bs"], sizes["N"], f"N={sizes['N']}")
     if prefix_lens is not None:
         check_prefix_lens(prefix_lens, sizes, True)
     par = host_values(parents)
@@ -268,10 +302,14 @@ def check_verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visi
     if sizes["D"] != sizes["Dc"] + sizes["Dr"]:
         raise ValueError(f"kv_cache: expected last axis Dc + Dr = {sizes['Dc'] + sizes['Dr']} "
                          f"(latent first, rope last), got {sizes['D']}")
+    require_page_size(infos[2], sizes)
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
         raise TypeError(f"sm_scale: expected a float, got {type(sm_scale).__name__}")
-    if not (np.isfinite(sm_scale) and sm_scale > 0):
-        raise ValueError(f"sm_scale: expected a finite float > 0, got {sm_scale}")
+    with np.errstate(over="ignore", under="ignore"):
+        scale32 = np.float32(sm_scale)          # the kernels scale in float32
+    if not (np.isfinite(scale32) and scale32 > 0):
+        raise ValueError(f"sm_scale: expected a finite float > 0 that float32 holds (the "
+                         f"kernels scale in float32), got {sm_scale}")
     if _values_wanted(infos, check):
         check_paged_slots(block_table, prefix_lens, sizes["N"], sizes["num_pages"],
                           sizes["page_size"])
@@ -295,12 +333,18 @@ def check_verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visi
                      sizes["num_pages"], sizes["page_size"], sizes["max_pages"])
 
 
+def require_page_size(cache_info, sizes: dict):
+    """A cache page holds at least one slot (slot ``t`` is at ``t // page_size``)."""
+    if sizes["page_size"] < 1:
+        raise ValueError(f"kv_cache: expected page_size >= 1 ([num_pages, page_size, D]), got "
+                         f"{describe(cache_info)}")
+
+
 def check_paged_slots(block_table, prefix_lens, N, num_pages, page_size):
     """Slots ``[0, P + N)`` of every request map to valid, distinct pages of the cache."""
+    check_prefix_range(prefix_lens, N)
     table = host_values(block_table)
     prefix = host_values(prefix_lens)
-    if (prefix < 0).any():
-        raise ValueError(f"prefix_lens: expected values >= 0, got {prefix.tolist()}")
     capacity = table.shape[1] * page_size
     used = []
     for b in range(table.shape[0]):
@@ -379,6 +423,10 @@ def check_commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len
         require_array("accept_nodes", accept_nodes, (INT32,), ("bs", "N"), sizes),
         require_array("accept_len", accept_len, (INT32,), ("bs",), sizes),
     ]
+    require_page_size(infos[0], sizes)
+    if sizes["N"] < 1:
+        raise ValueError(f"accept_nodes: expected N >= 1 (the path starts at the root), got "
+                         f"{describe(infos[3])}")
     if _values_wanted(infos, check):
         n = sizes["N"]
         check_paged_slots(block_table, prefix_lens, n, sizes["num_pages"], sizes["page_size"])

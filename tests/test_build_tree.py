@@ -264,3 +264,31 @@ def test_warp_kernel_bit_exact_bs256():
     want = ref.build_tree(lp, ids, roots, 256, prefix_lens=prefix)
     assert_trees_equal(K.build_tree(lp, ids, roots, 256, prefix_lens=prefix, variant="warp"),
                        want)
+
+
+def test_reference_refuses_a_budget_whose_buffers_the_host_cannot_hold():
+    """``budget = 2**31`` asked numpy for the ``bool[bs, N, N]`` visibility mask (16 GiB and
+    more) before failing with a MemoryError; the largest buffer is bounded by MAX_ELEMENTS."""
+    from ddtree_numba.limits import MAX_ELEMENTS
+
+    lp, ids = random_topk(np.random.default_rng(0), 2, 3, 4)
+    roots = np.array([1, 2], np.int32)
+    for budget in (2**31 - 2, 2**20, 32768):
+        with pytest.raises(ValueError, match=r"budget: expected .* got budget=" + str(budget)):
+            ref.build_tree(lp, ids, roots, budget)
+    with pytest.raises(ValueError, match="budget: expected an int in"):
+        ref.build_tree(lp, ids, roots, 2**31)              # N would pass int32 positions
+    n = int((MAX_ELEMENTS // 2) ** 0.5)                      # bs * N * N <= MAX_ELEMENTS
+    with pytest.raises(ValueError, match="budget"):
+        ref.build_tree(lp, ids, roots, n)                   # N = n + 1: just past the bound
+    assert ref.build_tree(lp, ids, roots, 40).num_nodes.tolist() == [40 + 1] * 2
+
+
+def test_tree_from_parents_refuses_a_capacity_whose_mask_the_host_cannot_hold():
+    from ddtree_numba.limits import MAX_ELEMENTS
+
+    n = int(MAX_ELEMENTS ** 0.5) + 1                         # N * N > MAX_ELEMENTS
+    parents = np.broadcast_to(np.int32(-1), (1, n))         # no memory: a read-only view
+    tokens = np.broadcast_to(np.int32(1), (1, n))
+    with pytest.raises(ValueError, match=r"parents: expected .* got N=" + str(n)):
+        ref.tree_from_parents(np.ascontiguousarray(parents), np.ascontiguousarray(tokens))

@@ -69,3 +69,25 @@ def test_overlapping_moves_and_k0():
         got = cache.copy()
         impl(got, table, prefix, nodes, lens)
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("P", [-2, -1000, -(2**31), 2**31 - 3, 2**31 - 1])
+def test_kernel_unchecked_prefix_out_of_range_moves_nothing(P):
+    """``check=False`` with a prefix that is no slot: negative (slot ``P + i`` would index the
+    block table at a negative page, which wraps around or runs out of bounds) or so large that
+    ``P + N`` passes ``MAX_POSITION`` (``P + i`` wraps around int32). The row moves nothing and
+    its new prefix length is ``P`` unchanged; the other row commits normally."""
+    rng = np.random.default_rng(0)
+    N, page_size = 4, 2
+    good = np.array([0, 3], np.int32)
+    cache, table = paged_cache(rng, 2, good, N, page_size=page_size, D=3)
+    prefix = np.array([P, 3], np.int32)
+    nodes = np.array([[0, 1, 3, -1], [0, 2, -1, -1]], np.int32)
+    lens = np.array([2, 1], np.int32)
+    want = expected(cache, table, good * [0, 1], nodes, lens * [0, 1])   # row 0: no move
+    got = cache.copy()
+    with pytest.raises(ValueError, match="prefix_lens"):
+        ref.commit_kv(got, table, prefix, nodes, lens)
+    new = K.commit_kv(got, table, prefix, nodes, lens, check=False)
+    assert got.tobytes() == want.tobytes()
+    assert new.copy_to_host().tolist() == [P, 3 + 1 + 1]

@@ -251,3 +251,20 @@ def test_more_accurate_drafter_accepts_more():
     high = run_demo(accuracy=1.0, **sizes)
     assert high["mean_accept_len"] == 4
     assert low["mean_accept_len"] < high["mean_accept_len"]
+
+
+def test_greedy_step_refuses_objects_that_are_no_target_or_drafter_and_bad_seeds():
+    """``None`` or a plain object as the target or drafter ended in an AttributeError, and a
+    negative or non-int seed in numpy's SeedSequence error naming no argument."""
+    model = ToyMLA(TINY)
+    drafter = ToyDrafter(np.zeros((2, 40), np.int32), vocab=TINY.vocab)
+    args = {"bs": 2, "L": 3, "K": 2, "budget": 4, "max_steps": 2}
+    for bad in (None, object()):
+        with pytest.raises(TypeError, match="target: expected a Target"):
+            GreedyStep(bad, drafter, **args)
+        with pytest.raises(TypeError, match="drafter: expected a Drafter"):
+            GreedyStep(DeviceToyMLA(model), bad, **args)
+    with pytest.raises(ValueError, match="seed: expected an int in"):
+        GreedyStep(DeviceToyMLA(model), drafter, seed=-1, **args)
+    with pytest.raises(TypeError, match="seed: expected an int"):
+        GreedyStep(DeviceToyMLA(model), drafter, seed="x", **args)

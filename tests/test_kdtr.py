@@ -68,6 +68,48 @@ def test_unsupported_dtype_and_rank(tmp_path):
         save_kdtr(tmp_path / "a.kdtr", z=np.zeros((1,) * 9))
 
 
+def test_bool_bytes_other_than_0_1_are_saved_as_0_1(tmp_path):
+    """A bool array whose bytes are not 0 / 1 (a uint8 view) was written byte for byte, which
+    the reader then rejected; it is stored as 0 / 1 (any non-zero byte is True)."""
+    odd = np.array([2, 0, 255, 1], np.uint8).view(bool)
+    path = tmp_path / "a.kdtr"
+    save_kdtr(path, m=odd, s=odd[2])                   # rank 1 and rank 0
+    back = load_kdtr(path)
+    assert back["m"].view(np.uint8).tolist() == [1, 0, 1, 1]
+    assert back["s"].view(np.uint8).tolist() == 1
+
+
+@pytest.mark.parametrize("value", [[[1, 2], [3]], [1, "a"], [None], object()],
+                         ids=["ragged", "mixed", "None", "object"])
+def test_values_that_are_no_array_raise_kdtr_error(tmp_path, value):
+    with pytest.raises(KdtrError, match="x: "):
+        save_kdtr(tmp_path / "a.kdtr", x=value)
+    assert not (tmp_path / "a.kdtr").exists()
+
+
+def empty_with_extent(tmp_path, extent, dtype=np.float64):
+    """A file whose one tensor has shape ``(0, extent)``: zero bytes, any extent."""
+    path = tmp_path / "empty.kdtr"
+    save_kdtr(path, e=np.zeros((0, 4), dtype))
+    raw = bytearray(path.read_bytes())
+    raw[entry_offset(0) + 80 : entry_offset(0) + 88] = struct.pack("<Q", extent)
+    path.write_bytes(bytes(raw))
+    return path
+
+
+@pytest.mark.parametrize("extent", [2**64 - 1, 2**63, 2**60])
+def test_empty_tensor_with_a_huge_extent_raises_kdtr_error(tmp_path, extent):
+    """Zero bytes, but no reader can index the shape: the product of the non-zero extents
+    times the itemsize must be at most 2**63 - 1 (numpy raised its own ValueError here)."""
+    with pytest.raises(KdtrError, match="tensor e: shape"):
+        load_kdtr(empty_with_extent(tmp_path, extent))
+
+
+def test_empty_tensor_at_the_extent_bound_loads(tmp_path):
+    extent = (2**63 - 1) // 8                           # x 8 bytes: just below 2**63
+    assert load_kdtr(empty_with_extent(tmp_path, extent))["e"].shape == (0, extent)
+
+
 def entry_offset(k):
     return HEADER.size + k * ENTRY.size
 
@@ -118,17 +160,22 @@ def test_fuzz_only_documented_errors_and_no_large_allocation(tmp_path):
     bad = tmp_path / "fuzz.kdtr"
     tracemalloc.start()
     try:
-        for trial in range(600):
+        for trial in range(800):
             data = bytearray(good)
-            kind = trial % 3
+            kind = trial % 4
             if kind == 0:                                   # truncation
                 data = data[: int(rng.integers(0, len(data)))]
             elif kind == 1:                                 # flipped bytes
                 for _ in range(int(rng.integers(1, 6))):
                     data[int(rng.integers(0, len(data)))] ^= int(rng.integers(1, 256))
-            else:                                           # absurd directory numbers
+            elif kind == 2:                                 # absurd directory numbers
                 at = int(rng.choice([8, 68, 72, 80, 136, 144, 16 + 152 + 72]))
                 data[at : at + 8] = struct.pack("<Q", int(rng.integers(0, 2**63)))
+            else:                                           # empty, with an absurd extent
+                at = entry_offset(0) + 72
+                data[at : at + 16] = struct.pack("<QQ", 0, int(rng.integers(0, 2**64,
+                                                                           dtype=np.uint64)))
+                data[entry_offset(0) + 144 : entry_offset(0) + 152] = bytes(8)
             bad.write_bytes(bytes(data))
             try:
                 load_kdtr(bad)
@@ -171,6 +218,14 @@ def test_c_reader_reads_a_fixture_bit_for_bit(tmp_path):
     bad.write_bytes(b"KDTR" + b"\0" * 4)
     done = subprocess.run([str(exe), str(bad)], capture_output=True, text=True)
     assert done.returncode == 1 and "truncated header" in done.stderr
+    # the same extent bound as the Python reader, on both sides of it
+    done = subprocess.run([str(exe), str(empty_with_extent(tmp_path, 2**60))],
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and "shape too large" in done.stderr
+    done = subprocess.run([str(exe), str(empty_with_extent(tmp_path, (2**63 - 1) // 8))],
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.split() == ["e", "9", "2", "0",
+                                                            str((2**63 - 1) // 8)]
 
 
 # ------------------------------------------------------------------------------------------

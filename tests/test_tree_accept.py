@@ -109,3 +109,48 @@ def test_kernel_matches_reference_on_foreign_sibling_orders(seed):
     predict = np.stack([follow_path_predictions(rng, tree, b, 0.9) for b in range(3)])
     want = ref.tree_accept(tree.token_ids, nt, ns, predict)
     assert_accept_equal(K.tree_accept(tree.token_ids, nt, ns, predict), want)
+
+
+def assert_accept_well_formed(res, token_ids, target_predict):
+    """What any input, even links that are not a tree, must give with ``check=False``: a path
+    of ``k <= N - 1`` in-range nodes from the root, its tokens, the bonus, then ``-1`` fill."""
+    res = res.to_host()
+    bs, N = token_ids.shape
+    for b in range(bs):
+        k = int(res.accept_len[b])
+        assert 0 <= k <= N - 1, (b, k)
+        path = res.accept_nodes[b, : k + 1]
+        assert path[0] == 0 and ((path >= 0) & (path < N)).all()
+        assert (res.accept_nodes[b, k + 1 :] == -1).all()
+        np.testing.assert_array_equal(res.accept_tokens[b, :k], token_ids[b, path[1:]])
+        assert res.accept_tokens[b, k] == res.bonus_token[b] == target_predict[b, path[-1]]
+        assert (res.accept_tokens[b, k + 1 :] == -1).all()
+
+
+def test_kernel_unchecked_self_loop_accepts_at_most_n_minus_1():
+    """Node 1 is its own first child and always matches: the walk must stop after N - 1
+    accepts (it accepted N before, one past the longest path, and at N = 1056 wrote past the
+    shared ``path`` row)."""
+    N = 4
+    tokens = np.array([[5, 7, -1, -1]], np.int32)
+    first = np.array([[1, 1, -1, -1]], np.int32)       # 0 -> 1 -> 1 -> 1 ...
+    sibling = np.full((1, N), -1, np.int32)
+    predict = np.array([[7, 7, 0, 0]], np.int32)
+    with pytest.raises(ValueError, match="links to a node twice"):
+        ref.tree_accept(tokens, first, sibling, predict)   # the reference always checks
+    res = K.tree_accept(tokens, first, sibling, predict, check=False)
+    assert_accept_well_formed(res, tokens, predict)
+    assert res.accept_len.copy_to_host().tolist() == [N - 1]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_kernel_unchecked_garbage_links_stay_well_formed(seed):
+    """Random links (cycles, self-loops, out-of-range values) with tokens that often match."""
+    rng = np.random.default_rng(900 + seed)
+    bs, N = 16, int(rng.integers(1, 12))
+    tokens = rng.integers(0, 3, (bs, N)).astype(np.int32)
+    first = rng.integers(-3, N + 3, (bs, N)).astype(np.int32)
+    sibling = rng.integers(-3, N + 3, (bs, N)).astype(np.int32)
+    predict = rng.integers(0, 3, (bs, N)).astype(np.int32)
+    res = K.tree_accept(tokens, first, sibling, predict, check=False)
+    assert_accept_well_formed(res, tokens, predict)

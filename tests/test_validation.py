@@ -213,3 +213,113 @@ def test_kernel_variant_is_checked():
         a["variant"] = "warp"
         with pytest.raises(ValueError, match="needs warp intrinsics"):
             call_build(K, a)
+
+
+# --------------------------------------------------------------------------------------------
+# Positions and slots are int32: prefix_lens + N must not pass MAX_POSITION
+# --------------------------------------------------------------------------------------------
+POSITION_MESSAGE = r"prefix_lens: expected P \+ N <= 2147483647"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_build_tree_rejects_positions_past_int32(impl):
+    """``positions = prefix_lens + depths`` wrapped around int32 (to negative positions)."""
+    a = good_tree_args()                                # budget 5: N = 6
+    a["prefix_lens"] = np.array([0, 2**31 - 6], np.int32)
+    with pytest.raises(ValueError, match=POSITION_MESSAGE):
+        call_build(impl, a)
+    a["prefix_lens"] = np.array([0, 2**31 - 7], np.int32)    # P + N = MAX_POSITION: fine
+    tree = call_build(impl, a).to_host()
+    assert tree.positions[1].max() == 2**31 - 7 + tree.depths[1].max()
+
+
+def test_tree_from_parents_rejects_positions_past_int32():
+    parents, tokens = np.array([[-1, 0, 1]], np.int32), np.array([[1, 2, 3]], np.int32)
+    with pytest.raises(ValueError, match=POSITION_MESSAGE):
+        ref.tree_from_parents(parents, tokens, prefix_lens=np.array([2**31 - 3], np.int32))
+    tree = ref.tree_from_parents(parents, tokens, prefix_lens=np.array([2**31 - 4], np.int32))
+    assert tree.positions.tolist() == [[2**31 - 4, 2**31 - 3, 2**31 - 2]]
+
+
+def huge_table(P, N):
+    """A block table whose capacity passes ``P + N``: every slot check but the position one
+    would pass or blame the table (2**19 + 1 pages of 4096 slots, all page 0)."""
+    return np.zeros((1, 2**19 + 1), np.int32), np.zeros((2, 4096, 3), np.float32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_commit_kv_rejects_slots_past_int32(impl):
+    P, N = 2**31 - 3, 4
+    table, cache = huge_table(P, N)
+    nodes = np.array([[0, 1, -1, -1]], np.int32)
+    with pytest.raises(ValueError, match=POSITION_MESSAGE):
+        impl.commit_kv(cache, table, np.array([P], np.int32), nodes, np.array([1], np.int32))
+    assert not cache.any()
+
+
+def test_verify_attn_check_rejects_slots_past_int32():
+    from ddtree_numba.validation import check_verify_attn
+
+    a = attn_args()                                     # N = 3, Dc = 4, Dr = 2
+    table, _ = huge_table(2**31 - 2, 3)
+    cache = np.zeros((2, 4096, 6), np.float32)
+    with pytest.raises(ValueError, match=POSITION_MESSAGE):
+        check_verify_attn(a[0], a[1], cache, table, np.array([2**31 - 2], np.int32), a[5],
+                          a[6], 0.5)
+
+
+# --------------------------------------------------------------------------------------------
+# Found by sweeping every public function with bad arguments
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl", IMPLS)
+def test_build_tree_huge_budget_is_named_budget(impl):
+    """``budget = 2**40`` with prefix lengths was blamed on ``prefix_lens`` (P + N overflow)."""
+    a = good_tree_args()
+    a["budget"] = 2**40
+    with pytest.raises(ValueError, match=r"budget: expected an int in \[0, 2147483646\]"):
+        call_build(impl, a)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_big_endian_dtype_is_named_in_the_message(impl):
+    """A big-endian float32 array was refused as "expected float32, got float32"."""
+    a = mutate("top_log_probs", lambda x: x.astype(">f4"))(good_tree_args())
+    with pytest.raises(TypeError, match=r"got big-endian float32\[2, 3, 4\]"):
+        call_build(impl, a)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_commit_kv_empty_path_rows_are_named_accept_nodes(impl):
+    """``accept_nodes`` with N = 0 (no room for the root) was reported as
+    ``accept_len: expected values in [0, N-1=-1]``."""
+    args = commit_args()
+    args[3] = args[3][:, :0].copy()
+    with pytest.raises(ValueError, match=r"accept_nodes: expected N >= 1"):
+        impl.commit_kv(*args)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_commit_kv_zero_page_size_is_named_kv_cache(impl):
+    """A cache with ``page_size = 0`` was blamed on ``prefix_lens`` (and the unchecked GPU
+    path of verify_attn divides by it)."""
+    args = commit_args()
+    args[0] = np.zeros((args[0].shape[0], 0, 3), np.float32)
+    with pytest.raises(ValueError, match=r"kv_cache: expected page_size >= 1"):
+        impl.commit_kv(*args)
+
+
+def test_verify_attn_zero_page_size_is_named_kv_cache():
+    from ddtree_numba.validation import check_verify_attn
+
+    a = attn_args()
+    a[2] = np.zeros((a[2].shape[0], 0, 6), np.float32)
+    with pytest.raises(ValueError, match=r"kv_cache: expected page_size >= 1"):
+        check_verify_attn(*a, 0.5, check=False)        # a shape check: runs unchecked too
+
+
+@pytest.mark.parametrize("scale", [1e300, 1e-50, 3.5e38])
+def test_verify_attn_sm_scale_must_fit_float32(scale):
+    """The kernels scale in float32: ``sm_scale = 1e300`` became inf (the kernel returned NaN,
+    the reference inf) and ``1e-50`` became 0 (uniform attention); both are refused."""
+    with pytest.raises(ValueError, match="sm_scale: expected a finite float > 0"):
+        ref.verify_attn(*attn_args(), sm_scale=scale)

@@ -22,6 +22,9 @@
 
 #define KDTR_MAX_RANK 8
 #define KDTR_MAX_TENSORS 65536u
+/* Largest product of a shape's non-zero extents times the itemsize (INT64_MAX), so that every
+ * byte offset and stride of a tensor, even an empty one, fits an int64_t. */
+#define KDTR_MAX_SPAN 0x7fffffffffffffffull
 
 enum kdtr_dtype {
     KDTR_INT32 = 1, KDTR_INT64 = 2, KDTR_UINT8 = 3, KDTR_BOOL = 4, KDTR_UINT32 = 5,
@@ -128,12 +131,17 @@ int kdtr_open(const char *path, kdtr_file *file, char *err, size_t err_size) {
         size_t item = kdtr_itemsize(t->dtype);
         if (item == 0) return kdtr_fail(file, err, err_size, "unknown dtype code");
         if (t->rank > KDTR_MAX_RANK) return kdtr_fail(file, err, err_size, "rank > 8");
-        uint64_t elems = 1;
+        uint64_t elems = 1, span = item;        /* span: bytes of the non-zero extents */
         for (uint32_t i = 0; i < KDTR_MAX_RANK; i++) {
             t->shape[i] = kdtr_u64(e + 72 + 8 * i);
             if (i >= t->rank) {
                 if (t->shape[i] != 0) return kdtr_fail(file, err, err_size, "shape past rank");
                 continue;
+            }
+            if (t->shape[i] != 0) {
+                if (t->shape[i] > KDTR_MAX_SPAN / span)
+                    return kdtr_fail(file, err, err_size, "shape too large");
+                span *= t->shape[i];
             }
             if (t->shape[i] != 0 && elems > (uint64_t)file->size / t->shape[i])
                 return kdtr_fail(file, err, err_size, "shape larger than the file");

@@ -13,8 +13,12 @@ no barrier is needed.
 Grid ``(ceil(D / COMMIT_THREADS), bs)``, block ``(COMMIT_THREADS,)``; ``k <= L`` in practice, so
 a thread moves a handful of elements; a warp moves 128 contiguous bytes of a row (fp32).
 bfloat16 / float16 caches move as ``uint16`` bits (a copy needs no arithmetic).
-Addresses are bounds-checked (path node, slot, page), so unchecked device inputs cannot write
-out of bounds.
+Addresses are bounds-checked (path node in ``[0, N)``, slot in ``[0, capacity)``, page in
+``[0, num_pages)``), so unchecked device inputs cannot read or write out of bounds. Slots are
+computed in int64, so nothing wraps around. A row whose prefix ``P`` is no valid start
+(``P < 0`` or ``P + N > MAX_POSITION``, which the value checks reject) moves nothing and keeps
+its prefix: ``new_prefix_lens[b] = P``; any other row returns ``P + k + 1`` with ``k``
+clamped to ``[0, N - 1]``.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, int32
+from numba import cuda, int32, int64
 
+from ..limits import MAX_POSITION
 from ..validation import check_commit_kv
 from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream
 
@@ -39,10 +44,14 @@ def _commit_kv_kernel(kv_cache, block_table, prefix_lens, accept_nodes, accept_l
     num_pages, page_size, D = kv_cache.shape
     N = accept_nodes.shape[1]
     capacity = block_table.shape[1] * page_size
-    P = prefix_lens[b]
+    P = int64(prefix_lens[b])                       # int64: P + a never wraps around
     k = min(max(accept_len[b], 0), N - 1)
+    if P < 0 or P > MAX_POSITION - N:               # not a valid prefix: commit nothing
+        if col == 0:
+            new_prefix_lens[b] = P
+        return
     if col == 0:
-        new_prefix_lens[b] = P + k + 1
+        new_prefix_lens[b] = P + k + 1              # <= P + N <= MAX_POSITION
     if col >= D:
         return
     vals = cuda.local.array(CHUNK, kv_cache.dtype)  # registers: the loops below unroll
@@ -55,7 +64,7 @@ def _commit_kv_kernel(kv_cache, block_table, prefix_lens, accept_nodes, accept_l
                 a = accept_nodes[b, i]
                 src = P + a
                 dst = P + i
-                if a >= 0 and src < capacity and dst < capacity:
+                if a >= 0 and a < N and 0 <= src < capacity and 0 <= dst < capacity:
                     page = block_table[b, src // page_size]
                     dst_page[j] = block_table[b, dst // page_size]
                     if page >= 0 and page < num_pages:

@@ -10,8 +10,10 @@ dependent global load per link followed. So each request gets one block that
 3. writes ``accept_nodes`` / ``accept_tokens`` rows with all threads    (2 N writes)
 
 Grid ``(bs,)``, block ``(ACCEPT_THREADS,)``; ``N <= 1056`` (the static shared-memory rows).
-Links outside ``[0, N)`` end a list and the walk takes at most ``N`` steps, so unchecked device
-inputs can give a wrong answer but never an out-of-bounds access or a hang.
+Links outside ``[1, N)`` end a list, the walk follows at most ``N`` links and accepts at most
+``N - 1`` nodes (the longest root path of an ``N``-node tree), so unchecked device inputs
+(a self-loop, a cycle, any link value) can give a wrong answer but never an out-of-bounds
+access, a hang or ``accept_len > N - 1``; ``path[k]`` stays below ``N <= MAX_NODES``.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def _tree_accept_kernel(token_ids, next_token, next_sibling, target_predict, acc
         k = 0
         path[0] = 0
         steps = 0                                   # links followed; < N in a valid tree
-        while True:
+        while k < N - 1:                            # a valid tree's longest path: N - 1
             want = pred[cur]
             c = first[cur]
             while c > 0 and c < N and tok[c] != want and steps < N:

@@ -30,7 +30,7 @@ import heapq
 import numpy as np
 
 from ..contracts import DraftTree
-from ..validation import check_build_tree, check_tree_from_parents
+from ..validation import check_build_tree, check_host_tree_size, check_tree_from_parents
 
 
 def best_first(lp: np.ndarray, budget: int):
@@ -75,7 +75,9 @@ def build_tree(top_log_probs, top_token_ids, root_token_ids, budget, *, prefix_l
     root_token_ids : numpy.ndarray
         ``int32[bs]``: the root token of each tree (the previous step's bonus token).
     budget : int
-        Draft nodes per tree, root excluded (``B``); the trees hold ``N = B + 1`` nodes.
+        Draft nodes per tree, root excluded (``B``); the trees hold ``N = B + 1`` nodes. The
+        math holds for any size, but the host must hold the ``bool[bs, N, N]`` visibility
+        mask: ``bs * N * N <= limits.MAX_ELEMENTS`` (the GPU kernel: ``N <= MAX_NODES``).
     prefix_lens : numpy.ndarray, optional
         ``int32[bs]``: committed tokens before the root; sets ``DraftTree.positions``.
 
@@ -86,6 +88,7 @@ def build_tree(top_log_probs, top_token_ids, root_token_ids, budget, *, prefix_l
     """
     sizes = check_build_tree(top_log_probs, top_token_ids, root_token_ids, budget, prefix_lens,
                              check=True)
+    check_host_tree_size("budget", sizes.bs, sizes.N, f"budget={sizes.budget} (N = budget + 1)")
     tree = DraftTree.allocate(sizes.bs, sizes.N)
     for b in range(sizes.bs):
         parents, depths, ranks, scores = best_first(top_log_probs[b], sizes.budget)
@@ -161,11 +164,17 @@ def _derive_links_and_masks(tree: DraftTree, prefix_lens) -> None:
 
 
 def pack_bits(mask: np.ndarray, W: int) -> np.ndarray:
-    """``bool[..., N]`` -> ``uint32[..., W]``: bit ``j % 32`` of word ``j // 32`` is ``mask[j]``."""
-    padded = np.zeros(mask.shape[:-1] + (W * 32,), np.uint64)           # [..., W*32]
-    padded[..., : mask.shape[-1]] = mask
-    words = padded.reshape(mask.shape[:-1] + (W, 32))                  # [..., W, 32]
-    return (words << np.arange(32, dtype=np.uint64)).sum(-1).astype(np.uint32)  # [..., W]
+    """``bool[..., N]`` -> ``uint32[..., W]``: bit ``j % 32`` of word ``j // 32`` is ``mask[j]``.
+
+    ``packbits`` (little bit order) puts ``mask[j]`` at bit ``j % 8`` of byte ``j // 8``; read
+    four bytes as one little-endian word, byte ``j // 8`` is byte ``(j // 8) % 4`` of word
+    ``j // 32``, so the bit lands at ``8 (j // 8 % 4) + j % 8 = j % 32``. Temporaries are an
+    eighth of the mask (a bool-per-bit or uint64 version needs 1x to 8x more).
+    """
+    packed = np.packbits(mask, axis=-1, bitorder="little")              # [..., ceil(N/8)]
+    words = np.zeros(mask.shape[:-1] + (W * 4,), np.uint8)              # [..., 4W]
+    words[..., : packed.shape[-1]] = packed
+    return words.view("<u4").astype(np.uint32)                         # [..., W]
 
 
 def unpack_bits(bits: np.ndarray, N: int) -> np.ndarray:

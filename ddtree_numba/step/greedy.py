@@ -80,6 +80,11 @@ class GreedyStep:
     def __init__(self, target: Target, drafter: Drafter, *, bs: int, L: int, K: int, budget: int,
                  max_steps: int, page_size: int = 16, mode: str = "eager", ops=None,
                  seed: int = 0):
+        for name, value, kind in (("target", target, Target), ("drafter", drafter, Drafter)):
+            if not isinstance(value, kind):         # runtime_checkable: has the members
+                raise TypeError(f"{name}: expected a {kind.__name__} (ddtree_numba.interfaces), "
+                                f"got {type(value).__name__}")
+        seed = require_int("seed", seed, low=0)
         # the kernels' limits, checked here so that a bad size fails before any launch
         self.bs = require_int("bs", bs, low=1, high=MAX_BATCH)
         self.L = require_int("L", L, low=1, high=MAX_DEPTH)
