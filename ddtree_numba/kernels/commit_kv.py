@@ -6,7 +6,7 @@ Parallel plan. Requests and row columns are independent; the moves of one reques
 (on the path ``0 -> 2 -> 3`` move 1 reads slot ``P + 2`` that move 2 writes). Since ``a_i >= i``,
 no move reads a slot written by an *earlier* move, so "read all sources, then write all" equals
 the sequential ascending order. One thread per (request, column) does exactly that for its
-column, in chunks of ``CHUNK = 16`` moves held in registers (reads of a chunk, then its writes, in
+column, in chunks of ``CHUNK = 8`` moves held in registers (reads of a chunk, then its writes, in
 ascending order: still the sequential semantics). No two threads touch the same element, so
 no barrier is needed.
 
@@ -33,7 +33,33 @@ from ..validation import check_commit_kv
 from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream
 
 COMMIT_THREADS = 32 if SIMULATOR else 128
-CHUNK = 16      # moves per register chunk: k <= L <= 15 in DDTree, so usually one chunk
+CHUNK = 8       # moves in flight per thread: k <= L <= 15 in DDTree, so one or two chunks
+
+
+@cuda.jit(device=True, inline=True)
+def _read(kv_cache, block_table, accept_nodes, b, P, k, col, vals, dst_page, i, j):
+    """Move ``i`` (slot ``P + a_i`` to slot ``P + i``): its value into ``vals[j]`` and its
+    destination page into ``dst_page[j]`` (``-1``: no move). Every address is checked."""
+    num_pages, page_size = kv_cache.shape[0], kv_cache.shape[1]
+    capacity = block_table.shape[1] * page_size
+    dst_page[j] = -1
+    if i <= k:
+        a = accept_nodes[b, i]
+        src = P + a
+        dst = P + i
+        if 0 <= a < accept_nodes.shape[1] and 0 <= src < capacity and 0 <= dst < capacity:
+            page = block_table[b, src // page_size]
+            if 0 <= page < num_pages:
+                vals[j] = kv_cache[page, src % page_size, col]
+                dst_page[j] = block_table[b, dst // page_size]
+
+
+@cuda.jit(device=True, inline=True)
+def _write(kv_cache, P, col, vals, dst_page, i, j):
+    """Write ``vals[j]`` to slot ``P + i`` if ``_read`` found a destination page."""
+    page = dst_page[j]
+    if 0 <= page < kv_cache.shape[0]:
+        kv_cache[page, (P + i) % kv_cache.shape[1], col] = vals[j]
 
 
 @cuda.jit
@@ -41,9 +67,7 @@ def _commit_kv_kernel(kv_cache, block_table, prefix_lens, accept_nodes, accept_l
                       new_prefix_lens):
     b = cuda.blockIdx.y
     col = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    num_pages, page_size, D = kv_cache.shape
     N = accept_nodes.shape[1]
-    capacity = block_table.shape[1] * page_size
     P = int64(prefix_lens[b])                       # int64: P + a never wraps around
     k = min(max(accept_len[b], 0), N - 1)
     if P < 0 or P > MAX_POSITION - N:               # not a valid prefix: commit nothing
@@ -52,29 +76,33 @@ def _commit_kv_kernel(kv_cache, block_table, prefix_lens, accept_nodes, accept_l
         return
     if col == 0:
         new_prefix_lens[b] = P + k + 1              # <= P + N <= MAX_POSITION
-    if col >= D:
+    if col >= kv_cache.shape[2]:
         return
-    vals = cuda.local.array(CHUNK, kv_cache.dtype)  # registers: the loops below unroll
-    dst_page = cuda.local.array(CHUNK, int32)       # destination pages, looked up early
+    # Registers, not local memory: vals and dst_page are only ever indexed by the literal j
+    # of the calls below (spelled out rather than a loop, so that this holds whatever a
+    # compiler's unrolling heuristics decide; CUDA 13.0's NVVM left a loop here rolled for
+    # sm_120 and put both arrays on the stack).
+    vals = cuda.local.array(CHUNK, kv_cache.dtype)
+    dst_page = cuda.local.array(CHUNK, int32)
     for i0 in range(1, k + 1, CHUNK):
-        for j in range(CHUNK):                      # 1. read up to CHUNK sources, and look
-            i = i0 + j                              #    up their destinations meanwhile
-            dst_page[j] = -1                        #    (-1: skip this move)
-            if i <= k:
-                a = accept_nodes[b, i]
-                src = P + a
-                dst = P + i
-                if a >= 0 and a < N and 0 <= src < capacity and 0 <= dst < capacity:
-                    page = block_table[b, src // page_size]
-                    dst_page[j] = block_table[b, dst // page_size]
-                    if page >= 0 and page < num_pages:
-                        vals[j] = kv_cache[page, src % page_size, col]
-                    else:
-                        dst_page[j] = -1
-        for j in range(CHUNK):                      # 2. ... then write them, ascending i
-            page = dst_page[j]
-            if page >= 0 and page < num_pages:
-                kv_cache[page, (P + i0 + j) % page_size, col] = vals[j]
+        # 1. read up to CHUNK sources (all loads in flight at once) ...
+        _read(kv_cache, block_table, accept_nodes, b, P, k, col, vals, dst_page, i0, 0)
+        _read(kv_cache, block_table, accept_nodes, b, P, k, col, vals, dst_page, i0 + 1, 1)
+        _read(kv_cache, block_table, accept_nodes, b, P, k, col, vals, dst_page, i0 + 2, 2)
+        _read(kv_cache, block_table, accept_nodes, b, P, k, col, vals, dst_page, i0 + 3, 3)
+        _read(kv_cache, block_table, accept_nodes, b, P, k, col, vals, dst_page, i0 + 4, 4)
+        _read(kv_cache, block_table, accept_nodes, b, P, k, col, vals, dst_page, i0 + 5, 5)
+        _read(kv_cache, block_table, accept_nodes, b, P, k, col, vals, dst_page, i0 + 6, 6)
+        _read(kv_cache, block_table, accept_nodes, b, P, k, col, vals, dst_page, i0 + 7, 7)
+        # 2. ... then write them in ascending i (a_i >= i: no read above saw a write)
+        _write(kv_cache, P, col, vals, dst_page, i0, 0)
+        _write(kv_cache, P, col, vals, dst_page, i0 + 1, 1)
+        _write(kv_cache, P, col, vals, dst_page, i0 + 2, 2)
+        _write(kv_cache, P, col, vals, dst_page, i0 + 3, 3)
+        _write(kv_cache, P, col, vals, dst_page, i0 + 4, 4)
+        _write(kv_cache, P, col, vals, dst_page, i0 + 5, 5)
+        _write(kv_cache, P, col, vals, dst_page, i0 + 6, 6)
+        _write(kv_cache, P, col, vals, dst_page, i0 + 7, 7)
 
 
 def commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len, *, check=None,
