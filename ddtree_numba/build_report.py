@@ -1,10 +1,11 @@
 """sm_120 readiness: compile every kernel for a target GPU on a CPU-only machine and report.
 
-For each kernel specialisation the library launches (``kernels/*.build_specs()``) and each
-compute capability asked for, the kernel is compiled to PTX by numba-cuda
-(``cuda.compile_ptx(..., cc=...)``, no GPU needed) and linked by nvJitLink for ``-arch=sm_XY``
-with ``-verbose``, which returns ptxas' resource report. From registers, shared memory and
-threads per block, the occupancy limit follows from the target's per-SM limits below.
+For each kernel specialisation the library launches (the ``build_specs()`` of every module
+under ``kernels/``) and each compute capability asked for, the kernel is compiled to PTX by
+numba-cuda (``cuda.compile_ptx(..., cc=...)``, no GPU needed) and linked by nvJitLink for
+``-arch=sm_XY`` with ``-verbose``, which returns ptxas' resource report. From registers,
+shared memory and threads per block, the occupancy limit follows from the target's per-SM
+limits below.
 
 ptxas on sm_90 counts 1 KiB more shared memory than on the other targets for a kernel that uses
 any; the report keeps its figure and still adds the per-block reserve, which errs on the safe
@@ -69,10 +70,13 @@ def parse_cc(text: str) -> tuple:
 
 
 def _kernel_modules() -> list:
-    """The modules that define kernels: every ``kernels/*`` module and ``device_ops``."""
+    """The modules that may define kernels: every module under ``kernels/`` (subpackages such
+    as ``kernels/verify_attn/`` included, walked recursively) and ``device_ops``. Whichever of
+    them declares ``build_specs()`` joins the report; no module is named here but
+    ``device_ops``."""
     from . import kernels
 
-    names = [f"{kernels.__name__}.{info.name}" for info in pkgutil.iter_modules(kernels.__path__)]
+    names = [info.name for info in pkgutil.walk_packages(kernels.__path__, f"{kernels.__name__}.")]
     return [importlib.import_module(name) for name in [*names, f"{__package__}.device_ops"]]
 
 

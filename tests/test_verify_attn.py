@@ -242,7 +242,7 @@ def test_split_plan_covers_every_slot_once(bs, N, H, slots):
     ``[0, slots)`` with no empty split, chosen or forced."""
     import importlib
 
-    kva = importlib.import_module("ddtree_numba.kernels.verify_attn")
+    kva = importlib.import_module("ddtree_numba.kernels.verify_attn.splits")
     for forced in (None, 1, 2, 7):
         n, per_split = kva.plan_splits(bs, N, H, slots, splits=forced)
         assert n >= 1 and per_split % kva.VSLOTS == 0
