@@ -48,10 +48,34 @@ stay packed while in flight and are widened only when staged, so no instruction 
 prefetch before the products that hide it. Odd widths and float16: one element per load. All
 arithmetic is float32.
 
+Rows a query cannot see (the contract: they may hold anything, NaN included). A block reads
+block-table entries and cache rows only for slots ``t < P + num_nodes`` (slot offsets are
+clamped to the last one; slots past it are fetched as zeros, never loaded), so padding slots,
+unused pages and table entries past them are never touched. Inside ``[P, P + num_nodes)`` a
+tile holds tree slots that some of its 32 rows may not see: their values are staged for all
+rows, and two places must keep them out of an invisible row's result:
+
+* scores: a masked score is replaced by ``-inf`` with a select (``s if visible else -inf``),
+  never computed from the raw dot product (a NaN score would also poison the row max);
+* ``O += P C``: the row's ``p = 0``, but ``0 * NaN = NaN``. Selecting per product would cost
+  the hot loop, so the latent values of a sub-tile that holds tree slots are made finite
+  when staged (``_finite4``: NaN and +-inf become 0, by bit masks; a compare and select per
+  value would run out of predicate registers and spill in the one-value-per-load variants).
+  A row that sees such a slot sees NaN in its score anyway (its output is NaN, as in the
+  reference); only a visible +-inf latent value with a finite score is read as 0.
+
+Cost: 16 values per thread (5 integer operations each in the PTX, about 85 instructions with
+the branch) in the sub-tiles that hold tree slots, behind a block-uniform branch; a sub-tile
+costs about 1 250 instructions per thread (its 8 slots of both products). At most
+``ceil(N / 8) + 1`` of a request's ``(P + N) / 8`` sub-tiles pay it: N = 16, P = 1024: 3 of
+130, about 0.2 %; short prefixes pay more (N = 64, P = 100: 9 of 21, about 3 %). Prefix
+sub-tiles are staged exactly as before. Registers on sm_90: 251 for the paired variants
+(unchanged), 255 without spills for the one-value-per-load ones (252 before).
+
 Each block writes an unnormalised partial ``(out / l, m + log l)`` of its split;
 :mod:`~ddtree_numba.kernels.verify_attn.splits` chooses the splits and merges the partials.
 
-Resources (``python -m ddtree_numba build-report``): 251-254 registers on sm_90 and sm_120, no
+Resources (``python -m ddtree_numba build-report``): 251-255 registers on sm_90 and sm_120, no
 spills, 40 576 bytes of static shared memory (Q chunk 4.5 KiB, K chunk / ``P^T`` 18 KiB,
 latent sub-tile 16 KiB, slot offsets 1 KiB): one block of 8 warps per SM. Measured on the H200: 25.6
 TFLOP/s (float32 cache) and 26.9 (bfloat16) at long prefixes, 51-53 % of cuBLAS SGEMM (v4: 9.7,
@@ -100,6 +124,20 @@ def _unpack_bf16x2(word):
     word = uint32(word)
     return (bits_to_float(word << uint32(16)),
             bits_to_float(word & uint32(0xFFFF0000)))
+
+
+@cuda.jit(device=True, inline=True)
+def _finite(x):
+    """``x``, or 0 if it is not finite (exponent all ones: NaN, +-inf), by bit masks alone."""
+    bits = float_to_bits(x)
+    top = ((bits & uint32(0x7F800000)) + uint32(0x00800000)) >> uint32(31)   # 1: not finite
+    return bits_to_float(bits & (top - uint32(1)))
+
+
+@cuda.jit(device=True, inline=True)
+def _finite4(v):
+    """``v`` with every value that is not finite (NaN, +-inf) replaced by 0."""
+    return float32x4(_finite(v.x), _finite(v.y), _finite(v.z), _finite(v.w))
 
 
 @cuda.jit(device=True, inline=True)
@@ -401,8 +439,13 @@ def _make_tiled_kernel(kind: str):
             tile_slots = min(BN, t_valid)       # a partial tile has fewer sub-tiles
             for sub in range(0, tile_slots, VSLOTS):
                 cuda.syncthreads()              # c_s free: the previous sub-tile is consumed
-                for j in range(4):              # stage latent rows sub .. sub + 7
-                    c_s[(tid // 128 + 2 * j) * COL4 + tid % 128] = widen4(c_next[j])
+                if t0 + sub + VSLOTS > P:       # tree slots: rows some node may not see
+                    for j in range(4):          # stage latent rows sub .. sub + 7, finite
+                        c_s[(tid // 128 + 2 * j) * COL4 + tid % 128] = _finite4(
+                            widen4(c_next[j]))
+                else:                           # prefix slots: every valid row sees them
+                    for j in range(4):          # stage latent rows sub .. sub + 7
+                        c_s[(tid // 128 + 2 * j) * COL4 + tid % 128] = widen4(c_next[j])
                 cuda.syncthreads()              # latent rows staged before the products
                 if sub + VSLOTS < tile_slots:   # the next sub-tile is fetched meanwhile
                     fetch_c(flat, slot_off, t_valid, sub + VSLOTS, Dc, tid, c_next)
