@@ -10,8 +10,9 @@ Math (see ``reference.verify_attn``), for request ``b``, tree node ``i``, head `
 where ``[c | r] = kv_cache[block_table[b, t // page_size], t % page_size]`` (one 576-wide row
 shared by all heads). Rows ``i >= num_nodes[b]`` are padding: ``out = 0``, ``lse = -inf``.
 A row never depends on a cache row it cannot see: other branches' tree slots, padding slots,
-slots past ``P + num_nodes[b]`` and unused pages may hold anything, NaN included, and block
-table entries past the pages that slots ``[0, P + num_nodes[b])`` use are never read.
+slots past ``P + num_nodes[b]`` and unused pages may hold anything, NaN included. The kernels
+never read a block-table entry or cache row past slot ``P + num_nodes[b] - 1`` (with
+``check`` on, the launcher validates the pages of slots ``[0, P + N)`` on the host).
 
 Buffers (``P = prefix_lens[b]``, ``W = ceil(N / 32)``; everything on the current stream):
 
