@@ -1,10 +1,11 @@
 """sm_120 readiness: compile every kernel for a target GPU on a CPU-only machine and report.
 
-For each kernel specialisation the library launches (``kernels/*.build_specs()``) and each
-compute capability asked for, the kernel is compiled to PTX by numba-cuda
-(``cuda.compile_ptx(..., cc=...)``, no GPU needed) and linked by nvJitLink for ``-arch=sm_XY``
-with ``-verbose``, which returns ptxas' resource report. From registers, shared memory and
-threads per block, the occupancy limit follows from the target's per-SM limits below.
+For each kernel specialisation the library launches (the ``build_specs()`` of every module
+under ``kernels/``) and each compute capability asked for, the kernel is compiled to PTX by
+numba-cuda (``cuda.compile_ptx(..., cc=...)``, no GPU needed) and linked by nvJitLink for
+``-arch=sm_XY`` with ``-verbose``, which returns ptxas' resource report. From registers,
+shared memory and threads per block, the occupancy limit follows from the target's per-SM
+limits below.
 
 ptxas on sm_90 counts 1 KiB more shared memory than on the other targets for a kernel that uses
 any; the report keeps its figure and still adds the per-block reserve, which errs on the safe

@@ -202,7 +202,7 @@ def _kernel_module(stage: str):
 
 def _verify_attn_tiled():
     """The module holding the tiled verify_attn kernel's constants (BM, BN, ...)."""
-    return _kernel_module("verify_attn")
+    return _kernel_module("verify_attn.tiled")
 
 
 def _gpu_value(module, name: str):

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from cases import paged_cache, random_topk
+from cases import paged_cache, random_parents, random_topk
 
 from ddtree_numba import reference as ref
 
@@ -242,7 +242,7 @@ def test_split_plan_covers_every_slot_once(bs, N, H, slots):
     ``[0, slots)`` with no empty split, chosen or forced."""
     import importlib
 
-    kva = importlib.import_module("ddtree_numba.kernels.verify_attn")
+    kva = importlib.import_module("ddtree_numba.kernels.verify_attn.splits")
     for forced in (None, 1, 2, 7):
         n, per_split = kva.plan_splits(bs, N, H, slots, splits=forced)
         assert n >= 1 and per_split % kva.VSLOTS == 0
@@ -252,3 +252,116 @@ def test_split_plan_covers_every_slot_once(bs, N, H, slots):
     # the benchmark's first row (132 SMs, 64 row tiles): 2 splits of 544 slots (4.65 tile
     # times each) fill one wave; 1 split takes 8.8 tile times, 3 or more need two waves
     assert kva.choose_splits(1, 64, 1088, sms=132) == 2
+
+
+# ------------------------------------------------------------------------------------------
+# Rows a query cannot see never influence it, NaN included
+# ------------------------------------------------------------------------------------------
+GARBAGE_PAGE = 2**30        # a block-table entry no cache has: reading it fails
+
+
+def poisoned_problem(rng, *, dtype, bs=3, N=9, H=2, Dc=8, Dr=4, page_size=None, max_prefix=20):
+    """A problem, and the same problem with every row a query may not see set to NaN.
+
+    Returns ``(clean_args, poisoned_args, garbage_table, checked)``. In the poisoned cache the
+    tree slots of a set ``S`` of nodes (every leaf and some random others, never the root),
+    the padding slots ``[P + num_nodes, P + N)``, the rest of the last page and every unused
+    page are NaN, and block-table entries past the pages that ``P + N`` slots use are ``-1``.
+    ``garbage_table`` (for ``check=False`` calls) also points every entry past the pages of
+    ``[0, P + num_nodes)`` at a page that does not exist. ``checked[b, i]``: node ``i`` is
+    valid and sees no node of ``S``, so its rows must equal those of the clean problem.
+    """
+    page_size = int(rng.choice([1, 4, 16])) if page_size is None else page_size
+    prefix = rng.integers(0, max_prefix + 1, bs).astype(np.int32)
+    fill = rng.integers(1, N + 1, bs)
+    fill[0] = N - 2                                    # at least one request has padding
+    parents, tokens = random_parents(rng, bs, N, fill=fill)
+    tree = ref.tree_from_parents(parents, tokens, prefix_lens=prefix)
+    cache, table = paged_cache(rng, bs, prefix, N, page_size=page_size, D=Dc + Dr, dtype=dtype)
+    ql = rng.standard_normal((bs, N, H, Dc)).astype(np.float32)
+    qr = rng.standard_normal((bs, N, H, Dr)).astype(np.float32)
+    clean = (ql, qr, cache, table, prefix, tree.visibility_bits, tree.num_nodes)
+
+    bad = np.full_like(cache, np.nan)                  # start from all NaN: unused pages stay
+    bad_table = table.copy()
+    garbage = table.copy()
+    checked = np.zeros((bs, N), bool)
+    for b in range(bs):
+        P, n = int(prefix[b]), int(tree.num_nodes[b])
+        has_child = np.zeros(N, bool)
+        has_child[parents[b, 1:n]] = True
+        hidden = ~has_child[:n] | (rng.random(n) < 0.3)    # S: leaves and random nodes
+        hidden[0] = False
+        checked[b, :n] = ~(tree.visibility[b, :n, :n] & hidden[None, :]).any(axis=1)
+        keep = np.concatenate([np.arange(P), P + np.flatnonzero(~hidden)])  # copied slots
+        pages, rows = table[b, keep // page_size], keep % page_size
+        bad[pages, rows] = cache[pages, rows]
+        bad_table[b, (P + N + page_size - 1) // page_size:] = -1
+        garbage[b, (P + n + page_size - 1) // page_size:] = GARBAGE_PAGE
+    assert checked[:, 0].all() and (~checked).any()
+    poisoned = (ql, qr, bad, bad_table, *clean[4:])
+    return clean, poisoned, garbage, checked
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16])
+def test_reference_never_reads_invisible_rows(seed, dtype):
+    clean, poisoned, _, checked = poisoned_problem(np.random.default_rng(seed), dtype=dtype)
+    want_out, want_lse = ref.verify_attn(*clean, sm_scale=0.3)
+    out, lse = ref.verify_attn(*poisoned, sm_scale=0.3)
+    np.testing.assert_array_equal(out[checked], want_out[checked])
+    np.testing.assert_array_equal(lse[checked], want_lse[checked])
+    valid = np.arange(checked.shape[1])[None, :] < clean[6][:, None]
+    assert (out[~valid] == 0).all() and np.isneginf(lse[~valid]).all()
+
+
+def check_rows_against_reference(out, lse, want_out, want_lse, checked, num_nodes, variant):
+    for b in range(out.shape[0]):
+        rows = checked[b]
+        err = (np.linalg.norm(out[b, rows] - want_out[b, rows])
+               / max(np.linalg.norm(want_out[b, rows]), 1e-30))
+        assert err <= REL_BOUND, (variant, b, err)
+        lse_err = np.abs(lse[b, rows] - want_lse[b, rows]) / (1 + np.abs(want_lse[b, rows]))
+        assert lse_err.max() <= REL_BOUND, (variant, b, lse_err.max())
+        n = int(num_nodes[b])
+        assert (out[b, n:] == 0).all() and np.isneginf(lse[b, n:]).all()
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16])
+def test_kernel_never_reads_invisible_rows(seed, dtype):
+    """NaN in every row a query cannot see, -1 and then a page that does not exist in the
+    block-table entries past the pages in use: the rows that see only finite rows match the
+    reference of the finite cache (the tiled variant on a GPU: several splits and one)."""
+    clean, poisoned, garbage, checked = poisoned_problem(np.random.default_rng(seed),
+                                                         dtype=dtype)
+    want_out, want_lse = ref.verify_attn(*clean, sm_scale=0.3)
+    num_nodes = clean[6]
+    runs = [(poisoned, {}), ((*poisoned[:3], garbage, *poisoned[4:]), {"check": False})]
+    for variant in kernel_variants():
+        for args, kw in runs:
+            for splits in ([None, 1, 3] if variant == "tiled" else [None]):
+                out, lse = K.verify_attn(*args, sm_scale=0.3, variant=variant, splits=splits,
+                                         **kw)
+                check_rows_against_reference(out.copy_to_host(), lse.copy_to_host(), want_out,
+                                             want_lse, checked, num_nodes, variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16])
+def test_kernel_never_reads_invisible_rows_real_shapes(dtype):
+    """The same at Kimi-K2 width (H = 64, 576-wide rows, pages of 64 slots): many 32-row
+    tiles, several slot tiles, tree slots anywhere in a 128-slot tile."""
+    rng = np.random.default_rng(7)
+    clean, poisoned, garbage, checked = poisoned_problem(rng, dtype=dtype, bs=3, N=40, H=64,
+                                                         Dc=512, Dr=64, page_size=64,
+                                                         max_prefix=400)
+    sm_scale = ref.deepseek_sm_scale()
+    want_out, want_lse = ref.verify_attn(*clean, sm_scale=sm_scale)
+    for args, kw in [(poisoned, {}), ((*poisoned[:3], garbage, *poisoned[4:]),
+                                      {"check": False})]:
+        for splits in (None, 1):
+            out, lse = K.verify_attn(*args, sm_scale=sm_scale, variant="tiled", splits=splits,
+                                     **kw)
+            check_rows_against_reference(out.copy_to_host(), lse.copy_to_host(), want_out,
+                                         want_lse, checked, clean[6], "tiled")

@@ -1,4 +1,5 @@
-"""Device helpers shared by several kernels: float bits, orderable keys, a warp max.
+"""Device helpers shared by several kernels: float bits, orderable keys, a warp max, block
+reductions and a block scan.
 
 *Orderable keys.* ``orderable_key(bits)`` maps the bits of a float32 to a uint32 whose unsigned
 order is the float order: negative floats have all bits flipped (so a more negative value gets a
@@ -10,8 +11,16 @@ below every real float's key (it would be the bits ``0xFFFFFFFF``, a NaN) and se
 lane of the warp gets the maximum of the 32 values. The shuffle tree it replaces takes five
 dependent ``shfl.xor`` + ``max`` steps.
 
-Simulator: the bit casts have numpy versions; the warp max does not exist there (kernels that
-need it have a simulator-runnable variant instead).
+*Block reductions.* ``make_block_reduce(op)`` builds a tree reduction over the ``T`` threads of
+a block (``T`` a power of two) in a shared array ``red`` of at least ``T`` elements, with any
+binary device function ``op``: ``block_sum`` and ``block_max`` are two of them. Every thread of
+the block must call it and gets the result; it ends with a barrier, so ``red`` may be reused at
+once. The ``log2 T`` levels each combine ``red[tid]`` and ``red[tid + half]`` (the same order
+for every call: a float sum is deterministic). ``block_inclusive_scan`` is the Hillis-Steele
+prefix sum of one int32 per thread.
+
+Simulator: the bit casts have numpy versions and the block helpers run as they are; the warp
+max does not exist there (kernels that need it have a simulator-runnable variant instead).
 """
 
 from __future__ import annotations
@@ -90,3 +99,57 @@ def key_of_float(x):
 @cuda.jit(device=True, inline=True)
 def float_of_key(key):
     return bits_to_float(bits_of_key(key))
+
+
+# ------------------------------------------------------------------------------------------
+# Block-wide helpers (every thread of the block must call them)
+# ------------------------------------------------------------------------------------------
+def make_block_reduce(op):
+    """``reduce(red, value, tid, T)``: ``op`` folded over one ``value`` per thread of a block
+    of ``T`` threads (a power of two), by a tree in the shared array ``red[0:T]``. ``op`` is a
+    device function of two values; numba compiles one reduction per ``op`` (a closure)."""
+
+    @cuda.jit(device=True, inline=True)
+    def block_reduce(red, value, tid, T):
+        red[tid] = value
+        cuda.syncthreads()                      # all values stored
+        half = T // 2
+        while half > 0:
+            if tid < half:
+                red[tid] = op(red[tid], red[tid + half])
+            cuda.syncthreads()                  # this level done before the next reads it
+            half //= 2
+        total = red[0]
+        cuda.syncthreads()                      # everyone read the result before reuse
+        return total
+
+    return block_reduce
+
+
+@cuda.jit(device=True, inline=True)
+def _add(a, b):
+    return a + b
+
+
+@cuda.jit(device=True, inline=True)
+def _max(a, b):
+    return max(a, b)
+
+
+block_sum = make_block_reduce(_add)     # block_sum(red, value, tid, T): sum over the block
+block_max = make_block_reduce(_max)     # block_max(red, value, tid, T): max over the block
+
+
+@cuda.jit(device=True, inline=True)
+def block_inclusive_scan(scratch, value, tid, T):
+    """Hillis-Steele inclusive prefix sum of one int32 per thread, in ``scratch[0:T]``."""
+    scratch[tid] = value
+    cuda.syncthreads()                      # all values in place
+    offset = 1
+    while offset < T:
+        add = scratch[tid - offset] if tid >= offset else 0
+        cuda.syncthreads()                  # everyone read before anyone overwrites
+        scratch[tid] += add
+        cuda.syncthreads()                  # the step is complete before the next read
+        offset *= 2
+    return scratch[tid]

@@ -50,7 +50,15 @@ from ..arrays import storage_kind
 from ..limits import MAX_K
 from ..validation import check_draft_topk
 from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream
-from ._primitives import bits_of_key, bits_to_float, float_of_key, orderable_key
+from ._primitives import (
+    bits_of_key,
+    bits_to_float,
+    block_inclusive_scan,
+    block_max,
+    block_sum,
+    float_of_key,
+    orderable_key,
+)
 
 TOPK_THREADS = 32 if SIMULATOR else 512   # a power of two, at most MAX_THREADS
 MAX_THREADS = 512
@@ -65,55 +73,9 @@ LEVEL_MASK = (0x7FF, 0x7FF, 0x3FF)
 
 
 # ------------------------------------------------------------------------------------------
-# Block-wide helpers (every thread of the block must call them)
+# Block-wide helpers (every thread of the block must call them; reductions and the scan are
+# in _primitives)
 # ------------------------------------------------------------------------------------------
-@cuda.jit(device=True, inline=True)
-def _block_inclusive_scan(scratch, value, tid, T):
-    """Hillis-Steele inclusive prefix sum of one int32 per thread, in ``scratch[0:T]``."""
-    scratch[tid] = value
-    cuda.syncthreads()                      # all values in place
-    offset = 1
-    while offset < T:
-        add = scratch[tid - offset] if tid >= offset else 0
-        cuda.syncthreads()                  # everyone read before anyone overwrites
-        scratch[tid] += add
-        cuda.syncthreads()                  # the step is complete before the next read
-        offset *= 2
-    return scratch[tid]
-
-
-@cuda.jit(device=True, inline=True)
-def _block_max_u32(red, value, tid, T):
-    """Max of one uint32 per thread over the block (tree reduction, ``T`` a power of two)."""
-    red[tid] = value
-    cuda.syncthreads()                      # all values stored
-    half = T // 2
-    while half > 0:
-        if tid < half:
-            red[tid] = max(red[tid], red[tid + half])
-        cuda.syncthreads()                  # this level done before the next reads it
-        half //= 2
-    total = red[0]
-    cuda.syncthreads()                      # everyone read the result before reuse
-    return total
-
-
-@cuda.jit(device=True, inline=True)
-def _block_sum_f32(red, value, tid, T):
-    """Sum of one float32 per thread over the block (tree reduction, ``T`` a power of two)."""
-    red[tid] = value
-    cuda.syncthreads()                      # all values stored
-    half = T // 2
-    while half > 0:
-        if tid < half:
-            red[tid] += red[tid + half]
-        cuda.syncthreads()                  # this level done before the next reads it
-        half //= 2
-    total = red[0]
-    cuda.syncthreads()                      # everyone read the result before reuse
-    return total
-
-
 @cuda.jit(device=True, inline=True)
 def _find_threshold_digit(hist, nbins, need, scratch, result, tid, T):
     """The digit t with ``count(d > t) < need <= count(d >= t)``.
@@ -128,7 +90,7 @@ def _find_threshold_digit(hist, nbins, need, scratch, result, tid, T):
     for q in range(per):
         if top - q >= 0:
             local += hist[top - q]
-    incl = _block_inclusive_scan(scratch, local, tid, T)
+    incl = block_inclusive_scan(scratch, local, tid, T)
     excl = incl - local
     if excl < need and need <= incl:        # exactly one thread
         run = excl
@@ -213,7 +175,7 @@ def _make_topk_kernel(bf16: bool):
                     key = orderable_key(buf[u])
                     max_key = max(max_key, key)
                     cuda.atomic.add(hist, int32(key >> uint32(21)), 1)
-        m = float_of_key(_block_max_u32(red_u, max_key, tid, T))   # max logit (-inf allowed)
+        m = float_of_key(block_max(red_u, max_key, tid, T))   # max logit (-inf allowed)
 
         # 2. radix select of the K-th largest key
         need = k
@@ -267,7 +229,7 @@ def _make_topk_kernel(bf16: bool):
                     if high > prefix or (high == prefix and not ordered_ties):
                         slot = cuda.atomic.add(n_cand, 0, 1)
                         cand[slot] = (uint64(key) << uint64(32)) | uint64(0xFFFFFFFF - v)
-        total = _block_sum_f32(red_f, s, tid, T)
+        total = block_sum(red_f, s, tid, T)
         lse = m + math.log(total) if m > NEG_INF else NEG_INF
         if ordered_ties:                    # the first `need` equal keys in id order
             chunk = (V + T - 1) // T
@@ -276,7 +238,7 @@ def _make_topk_kernel(bf16: bool):
             for v in range(lo, min(lo + chunk, V)):
                 if orderable_key(load_bits(row, v)) == prefix:
                     mine += 1
-            rank = _block_inclusive_scan(scratch, mine, tid, T) - mine
+            rank = block_inclusive_scan(scratch, mine, tid, T) - mine
             base = k - need                 # slots after the keys above the threshold
             for v in range(lo, min(lo + chunk, V)):
                 if rank < need and orderable_key(load_bits(row, v)) == prefix:

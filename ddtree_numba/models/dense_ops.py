@@ -27,6 +27,7 @@ from numba import cuda, float32, float64
 
 from ..arrays import host_view
 from ..kernels._device import SIMULATOR, launch, launch_stream
+from ..kernels._primitives import block_sum
 
 TILE = 16            # linear: a TILE x TILE block computes a TILE x TILE output tile
 TILE_PAD = 17        # TILE + 1 (shared-array shapes must be literal constants)
@@ -49,23 +50,6 @@ def _embed_kernel(tokens, table, out):
         out[t, col] = table[token, col] if token >= 0 else float32(0)
 
 
-@cuda.jit(device=True, inline=True)
-def _block_sum(red, value):
-    """Sum of one float32 per thread over a block of ROW_THREADS threads (tree reduction)."""
-    tid = cuda.threadIdx.x
-    red[tid] = value
-    cuda.syncthreads()                  # every partial is in shared memory
-    stride = ROW_THREADS // 2
-    while stride > 0:
-        if tid < stride:
-            red[tid] += red[tid + stride]
-        cuda.syncthreads()              # this level's sums are complete before the next reads
-        stride //= 2
-    total = red[0]
-    cuda.syncthreads()                  # everyone has read red[0] before red is reused
-    return total
-
-
 @cuda.jit
 def _rms_norm_kernel(x, weight, out, eps):
     """``out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight``. One block per row."""
@@ -75,7 +59,8 @@ def _rms_norm_kernel(x, weight, out, eps):
     partial = float32(0)
     for col in range(tid, width, ROW_THREADS):
         partial += x[t, col] * x[t, col]
-    inv = float32(1) / math.sqrt(_block_sum(red, partial) / float32(width) + eps)
+    total = block_sum(red, partial, tid, ROW_THREADS)      # every thread gets the block sum
+    inv = float32(1) / math.sqrt(total / float32(width) + eps)
     for col in range(tid, width, ROW_THREADS):
         out[t, col] = x[t, col] * inv * weight[col]
 
@@ -161,7 +146,8 @@ def _kv_write_kernel(kv, kv_norm, inv_freq, positions, num_nodes, prefix_lens, b
     partial = float32(0)
     for col in range(tid, latent, ROW_THREADS):
         partial += src[col] * src[col]
-    inv = float32(1) / math.sqrt(_block_sum(red, partial) / float32(latent) + eps)
+    total = block_sum(red, partial, tid, ROW_THREADS)      # every thread gets the block sum
+    inv = float32(1) / math.sqrt(total / float32(latent) + eps)
     for col in range(tid, latent, ROW_THREADS):
         dst[col] = src[col] * inv * kv_norm[col]
     for p in range(tid, inv_freq.shape[0], ROW_THREADS):

@@ -25,14 +25,25 @@ from .build_tree import unpack_bits
 
 def gather_slots(kv_cache, block_table_row, num_slots: int) -> np.ndarray:
     """Rows of logical slots ``[0, num_slots)`` of one request: ``[num_slots, Dc + Dr]``."""
+    return gather_rows(kv_cache, block_table_row, np.arange(num_slots))
+
+
+def gather_rows(kv_cache, block_table_row, slots) -> np.ndarray:
+    """Rows of the logical slots ``slots`` (an int array) of one request: ``[len, Dc + Dr]``.
+    Only their block-table entries and cache rows are read."""
     page_size = kv_cache.shape[1]
-    t = np.arange(num_slots)                                   # [T]
-    return kv_cache[block_table_row[t // page_size], t % page_size]   # [T, D]
+    slots = np.asarray(slots, np.int64)
+    return kv_cache[block_table_row[slots // page_size], slots % page_size]
 
 
 def verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visibility_bits,
                 num_nodes, *, sm_scale):
     """Masked MLA-absorb attention of every tree node over its prefix and its ancestors.
+
+    Only the rows a node sees are read into its result: the prefix (seen by every node) and
+    the slots of its ancestors. Other branches' tree slots, padding slots, slots past
+    ``P + num_nodes[b]``, unused pages and block-table entries past the pages in use may hold
+    anything, NaN included.
 
     Parameters
     ----------
@@ -64,19 +75,22 @@ def verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visibility
     lse = np.full((sz.bs, sz.N, sz.H), -np.inf, np.float32)
     for b in range(sz.bs):
         P, n = int(prefix_lens[b]), int(num_nodes[b])
-        rows = gather_slots(kv_cache, block_table[b], P + sz.N).astype(np.float64)  # [T, D]
-        c, r = rows[:, : sz.Dc], rows[:, sz.Dc :]                  # [T, Dc], [T, Dr]
+        prefix = gather_rows(kv_cache, block_table[b], np.arange(P)).astype(np.float64)  # [P, D]
         ql = q_latent[b, :n].astype(np.float64)                    # [n, H, Dc]
         qr = q_rope[b, :n].astype(np.float64)                      # [n, H, Dr]
-        s = sm_scale * (np.einsum("ihc,tc->iht", ql, c) + np.einsum("ihr,tr->iht", qr, r))
         tree_mask = unpack_bits(visibility_bits[b, :n], sz.N)      # [n, N]
-        visible = np.concatenate([np.ones((n, P), bool), tree_mask], axis=1)  # [n, T]
-        s = np.where(visible[:, None, :], s, -np.inf)              # [n, H, T]
-        m = s.max(axis=-1, keepdims=True)                          # [n, H, 1] finite: root
-        e = np.exp(s - m)                                          # [n, H, T]
-        denom = e.sum(axis=-1, keepdims=True)                      # [n, H, 1]
-        out[b, :n] = np.einsum("iht,tc->ihc", e / denom, c)        # [n, H, Dc]
-        lse[b, :n] = (m + np.log(denom))[..., 0]                   # [n, H]
+        for i in range(n):
+            # the rows node i sees: the whole prefix, then its ancestors' slots (itself last)
+            path = P + np.flatnonzero(tree_mask[i])                # ancestors' slots
+            rows = np.concatenate([prefix, gather_rows(kv_cache, block_table[b], path)
+                                   .astype(np.float64)])           # [T_i, D], T_i = P + depth + 1
+            c, r = rows[:, : sz.Dc], rows[:, sz.Dc :]              # [T_i, Dc], [T_i, Dr]
+            s = sm_scale * (ql[i] @ c.T + qr[i] @ r.T)             # [H, T_i]
+            m = s.max(axis=-1, keepdims=True)                      # [H, 1] finite: the root
+            e = np.exp(s - m)                                      # [H, T_i]
+            denom = e.sum(axis=-1, keepdims=True)                  # [H, 1]
+            out[b, i] = (e / denom) @ c                            # [H, Dc]
+            lse[b, i] = (m + np.log(denom))[:, 0]                  # [H]
     return out, lse
 
 

@@ -1,34 +1,9 @@
-"""Tree-masked MLA-absorb attention on the GPU: ``kernels.verify_attn``.
+"""Variant ``"tiled"`` of ``kernels.verify_attn``: the fast kernel (GPU only).
 
-Math (see ``reference.verify_attn``), for request ``b``, tree node ``i``, head ``h``::
-
-    s[t]     = sm_scale * (q_latent[b, i, h] . c[t] + q_rope[b, i, h] . r[t])
-    visible  = t < P  or  (t = P + j and bit j of visibility_bits[b, i])
-    out      = sum_t softmax(s)[t] * c[t]              # [Dc], still in latent space
-    lse      = log sum_t exp(s[t])
-
-where ``[c | r] = kv_cache[block_table[b, t // page_size], t % page_size]`` (one 576-wide row
-shared by all heads). Rows ``i >= num_nodes[b]`` are padding: ``out = 0``, ``lse = -inf``.
-
-FLOPs counted by the benchmark: ``2 * bs * N * H * T * (Dc + Dr + Dc)`` for ``T = P + N`` slots
-(the score dot product over ``Dc + Dr`` and the weighted sum over ``Dc``; masked slots counted).
-Bytes: the cache holds ``T * (Dc + Dr) * itemsize`` per request (2.4 MB in float32 at P = 1024),
-read once from DRAM; the tiled variant then reads it ``ceil(N H / 32)`` times from L2 (each
-block stages its slots twice: 576 values per row for the scores, 512 for the weighted sum),
-plus its 32 query rows (``32 * (Dc + Dr) * 4`` bytes) once per slot tile. At bs = 1, N = 16,
-H = 128, P = 1024 that is 4.6 GFLOP against ~2.4 MB of DRAM traffic: compute-bound by far.
-
-Variant ``"readable"`` (one idea per step; runs on the simulator). One thread per query row
-``(b, i, h)`` (blocks of 32), no shared memory and no barrier; the thread accumulates its
-output row directly in ``out``. For every slot: 1. mask (skip invisible tree slots), 2. score
-(the 576-wide dot product), 3. online softmax (rescale the running sum and output when the max
-grows), 4. weighted sum of the slot's latent row. Every cache row is read once per query row:
-simple and slow (the tiled variant reads it once per 32 rows).
-
-Variant ``"tiled"`` (fast; GPU). The ``N * H`` query rows of a request are flattened
-(``row = i * H + h``) and cut into tiles of ``BM = 32`` rows; the slots ``[0, P + N)`` are cut into
-``splits`` equal ranges (flash-decoding: enough blocks to fill the GPU even at bs = 1; the count
-minimises waves x tile times, ``choose_splits``). Grid ``(splits, ceil(N H / 32), bs)``, 256
+The ``N * H`` query rows of a request are flattened (``row = i * H + h``) and cut into tiles
+of ``BM = 32`` rows; the slots ``[0, P + N)`` are cut into ``splits`` equal ranges
+(flash-decoding: enough blocks to fill the GPU even at bs = 1; the count minimises waves x tile
+times, ``splits.choose_splits``). Grid ``(splits, ceil(N H / 32), bs)``, 256
 threads = 8 warps. For each tile of ``BN = 128`` slots:
 
 1. ``S = Q K^T`` over 576 dims in chunks of 32: a 32 x 32 chunk of queries and a 128 x 32 chunk
@@ -73,11 +48,34 @@ stay packed while in flight and are widened only when staged, so no instruction 
 prefetch before the products that hide it. Odd widths and float16: one element per load. All
 arithmetic is float32.
 
-Each block writes an unnormalised partial ``(out / l, m + log l)``; the merge kernel combines
-the splits of a row by log-sum-exp (``_merge_partials``, the only place the merge is
-written).
+Rows a query cannot see (the contract: they may hold anything, NaN included). A block reads
+block-table entries and cache rows only for slots ``t < P + num_nodes`` (slot offsets are
+clamped to the last one; slots past it are fetched as zeros, never loaded), so padding slots,
+unused pages and table entries past them are never touched. Inside ``[P, P + num_nodes)`` a
+tile holds tree slots that some of its 32 rows may not see: their values are staged for all
+rows, and two places must keep them out of an invisible row's result:
 
-Resources (``python -m ddtree_numba build-report``): 251-254 registers on sm_90 and sm_120, no
+* scores: a masked score is replaced by ``-inf`` with a select (``s if visible else -inf``),
+  never computed from the raw dot product (a NaN score would also poison the row max);
+* ``O += P C``: the row's ``p = 0``, but ``0 * NaN = NaN``. Selecting per product would cost
+  the hot loop, so the latent values of a sub-tile that holds tree slots are made finite
+  when staged (``_finite4``: NaN and +-inf become 0, by bit masks; a compare and select per
+  value would run out of predicate registers and spill in the one-value-per-load variants).
+  A row that sees such a slot sees NaN in its score anyway (its output is NaN, as in the
+  reference); only a visible +-inf latent value with a finite score is read as 0.
+
+Cost: 16 values per thread (5 integer operations each in the PTX, about 85 instructions with
+the branch) in the sub-tiles that hold tree slots, behind a block-uniform branch; a sub-tile
+costs about 1 250 instructions per thread (its 8 slots of both products). At most
+``ceil(N / 8) + 1`` of a request's ``(P + N) / 8`` sub-tiles pay it: N = 16, P = 1024: 3 of
+130, about 0.2 %; short prefixes pay more (N = 64, P = 100: 9 of 21, about 3 %). Prefix
+sub-tiles are staged exactly as before. Registers on sm_90: 251 for the paired variants
+(unchanged), 255 without spills for the one-value-per-load ones (252 before).
+
+Each block writes an unnormalised partial ``(out / l, m + log l)`` of its split;
+:mod:`~ddtree_numba.kernels.verify_attn.splits` chooses the splits and merges the partials.
+
+Resources (``python -m ddtree_numba build-report``): 251-255 registers on sm_90 and sm_120, no
 spills, 40 576 bytes of static shared memory (Q chunk 4.5 KiB, K chunk / ``P^T`` 18 KiB,
 latent sub-tile 16 KiB, slot offsets 1 KiB): one block of 8 warps per SM. Measured on the H200: 25.6
 TFLOP/s (float32 cache) and 26.9 (bfloat16) at long prefixes, 51-53 % of cuBLAS SGEMM (v4: 9.7,
@@ -92,15 +90,12 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 from numba.cuda import float32x4
 
-from ..arrays import storage_kind
-from ..limits import MAX_DC
-from ..validation import check_verify_attn
-from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream, resolve_variant
-from ._primitives import bits_to_float, float_to_bits
+from ...limits import MAX_DC
+from .._device import SIMULATOR
+from .._primitives import bits_to_float, float_to_bits
+from ._common import NEG_INF, _make_widen, _visible
 
-NEG_INF = float32(-np.inf)
 FULL_MASK = 0xFFFFFFFF
-READABLE_THREADS = 32
 TILED_THREADS = 256     # 8 warps
 BM = 32                 # query rows per block
 QUADS = BM // 4         # row quads: 4 rows of P^T in one float32x4
@@ -123,24 +118,6 @@ else:           # the element type of float32x4 arrays (float32x4 itself builds 
     F32X4 = vector_types["float32x4"]
 
 
-def _make_widen(kind: str):
-    """Device function turning one stored cache element into float32, per storage type
-    (bfloat16 arrives as its uint16 bits)."""
-    if kind == "bfloat16":
-
-        @cuda.jit(device=True, inline=True)
-        def widen(raw):
-            return bits_to_float(uint32(raw) << uint32(16))
-
-    else:  # float32 and float16 (numba widens float16 with float32())
-
-        @cuda.jit(device=True, inline=True)
-        def widen(raw):
-            return float32(raw)
-
-    return widen
-
-
 @cuda.jit(device=True, inline=True)
 def _unpack_bf16x2(word):
     """Two bfloat16 values packed in a uint32 (little endian: element 2e in the low half)."""
@@ -150,72 +127,19 @@ def _unpack_bf16x2(word):
 
 
 @cuda.jit(device=True, inline=True)
-def _visible(bits, b, i, j):
-    """Bit ``j`` of row ``i`` of the packed ancestor mask."""
-    return (bits[b, i, j // 32] >> uint32(j % 32)) & uint32(1) != 0
+def _finite(x):
+    """``x``, or 0 if it is not finite (exponent all ones: NaN, +-inf), by bit masks alone."""
+    bits = float_to_bits(x)
+    top = ((bits & uint32(0x7F800000)) + uint32(0x00800000)) >> uint32(31)   # 1: not finite
+    return bits_to_float(bits & (top - uint32(1)))
 
 
-# ------------------------------------------------------------------------------------------
-# Variant "readable"
-# ------------------------------------------------------------------------------------------
-def _make_readable_kernel(kind: str):
-    widen = _make_widen(kind)
-
-    @cuda.jit
-    def readable_kernel(q_latent, q_rope, cache, block_table, prefix_lens, bits, num_nodes,
-                        sm_scale, out, lse):
-        # one thread per query row: row = (b * N + i) * H + h
-        row = cuda.grid(1)
-        bs, N, H, Dc = q_latent.shape
-        Dr = q_rope.shape[3]
-        if row >= bs * N * H:
-            return
-        h = row % H
-        i = (row // H) % N
-        b = row // (H * N)
-        page_size = cache.shape[1]
-        o = out[b, i, h]                        # [Dc]: this thread's output row
-        for d in range(Dc):
-            o[d] = 0.0
-        n = num_nodes[b]
-        if i >= n:                              # padding row: out 0, lse -inf
-            lse[b, i, h] = NEG_INF
-            return
-        P = prefix_lens[b]
-        m = NEG_INF                             # running max of the scores
-        l = float32(0.0)                        # running sum of exp(score - m)
-        for t in range(P + n):
-            # 1. mask: prefix slots always, tree slot P + j only if j is an ancestor of i
-            if t >= P and not _visible(bits, b, i, t - P):
-                continue
-            page = block_table[b, t // page_size]
-            slot = t % page_size
-            # 2. score: latent part and rope part of the 576-wide row
-            s = float32(0.0)
-            for d in range(Dc):
-                s += q_latent[b, i, h, d] * widen(cache[page, slot, d])
-            for d in range(Dr):
-                s += q_rope[b, i, h, d] * widen(cache[page, slot, Dc + d])
-            s *= sm_scale
-            # 3. online softmax: a larger max rescales what was accumulated so far
-            m_new = max(m, s)
-            rescale = math.exp(m - m_new) if m > NEG_INF else float32(0.0)
-            p = math.exp(s - m_new)
-            l = l * rescale + p
-            m = m_new
-            # 4. weighted sum of this slot's latent row (the output stays in latent space)
-            for d in range(Dc):
-                o[d] = o[d] * rescale + p * widen(cache[page, slot, d])
-        for d in range(Dc):
-            o[d] /= l
-        lse[b, i, h] = m + math.log(l)
-
-    return readable_kernel
+@cuda.jit(device=True, inline=True)
+def _finite4(v):
+    """``v`` with every value that is not finite (NaN, +-inf) replaced by 0."""
+    return float32x4(_finite(v.x), _finite(v.y), _finite(v.z), _finite(v.w))
 
 
-# ------------------------------------------------------------------------------------------
-# Variant "tiled" (flash-decoding over slot splits) and the merge
-# ------------------------------------------------------------------------------------------
 @cuda.jit(device=True, inline=True)
 def _unrolled8(step, a, b, acc):
     """``step(a, b, i, acc)`` for ``i = 0 .. 7``, each ``i`` a literal. numba has no
@@ -515,8 +439,13 @@ def _make_tiled_kernel(kind: str):
             tile_slots = min(BN, t_valid)       # a partial tile has fewer sub-tiles
             for sub in range(0, tile_slots, VSLOTS):
                 cuda.syncthreads()              # c_s free: the previous sub-tile is consumed
-                for j in range(4):              # stage latent rows sub .. sub + 7
-                    c_s[(tid // 128 + 2 * j) * COL4 + tid % 128] = widen4(c_next[j])
+                if t0 + sub + VSLOTS > P:       # tree slots: rows some node may not see
+                    for j in range(4):          # stage latent rows sub .. sub + 7, finite
+                        c_s[(tid // 128 + 2 * j) * COL4 + tid % 128] = _finite4(
+                            widen4(c_next[j]))
+                else:                           # prefix slots: every valid row sees them
+                    for j in range(4):          # stage latent rows sub .. sub + 7
+                        c_s[(tid // 128 + 2 * j) * COL4 + tid % 128] = widen4(c_next[j])
                 cuda.syncthreads()              # latent rows staged before the products
                 if sub + VSLOTS < tile_slots:   # the next sub-tile is fetched meanwhile
                     fetch_c(flat, slot_off, t_valid, sub + VSLOTS, Dc, tid, c_next)
@@ -545,235 +474,11 @@ def _make_tiled_kernel(kind: str):
     return tiled_kernel
 
 
-@cuda.jit(device=True, inline=True)
-def _merge_partials(part_out, part_lse, splits, b, row, d):
-    """Combine split partials of one output element by log-sum-exp.
-
-    ``lse = log sum_s exp(lse_s)``, ``out = sum_s exp(lse_s - lse) * out_s`` (splits that saw
-    no visible slot have ``lse_s = -inf`` and weigh 0).
-    """
-    M = NEG_INF
-    for s in range(splits):
-        M = max(M, part_lse[s, b, row])
-    total = float32(0.0)
-    value = float32(0.0)
-    if M > NEG_INF:
-        for s in range(splits):
-            w = math.exp(part_lse[s, b, row] - M)
-            total += w
-            value += w * part_out[s, b, row, d]
-        return value / total, M + math.log(total)
-    return float32(0.0), NEG_INF
-
-
-@cuda.jit
-def _merge_kernel(part_out, part_lse, num_nodes, out, lse):
-    """Grid ``(N * H, bs)``, 128 threads: one query row per block, columns strided."""
-    row = cuda.blockIdx.x
-    b = cuda.blockIdx.y
-    H = out.shape[2]
-    Dc = out.shape[3]
-    i = row // H
-    h = row % H
-    for d in range(cuda.threadIdx.x, Dc, cuda.blockDim.x):
-        if i >= num_nodes[b]:                   # padding row
-            value = float32(0.0)
-            row_lse = NEG_INF
-        else:
-            value, row_lse = _merge_partials(part_out, part_lse, part_lse.shape[0], b, row, d)
-        out[b, i, h, d] = value
-        if d == 0:
-            lse[b, i, h] = row_lse
-
-
-# ------------------------------------------------------------------------------------------
-# Launcher
-# ------------------------------------------------------------------------------------------
 _KERNELS: dict = {}
 
 
-def _kernel(variant: str, kind: str):
-    key = (variant, kind)
-    if key not in _KERNELS:
-        make = _make_readable_kernel if variant == "readable" else _make_tiled_kernel
-        _KERNELS[key] = make(kind)
-    return _KERNELS[key]
-
-
-def sm_count() -> int:
-    """Streaming multiprocessors of the current GPU (132 on the H200; 132 on the simulator)."""
-    if SIMULATOR:
-        return 132
-    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
-
-
-def _split_cost(slots: int) -> float:
-    """Time of one block over ``slots`` slots, in tile times: every tile computes all BN
-    scores (576 of the 1088 FLOPs per slot and row), the weighted sum only the slots present."""
-    full, rest = divmod(slots, BN)
-    score_share = (MAX_DC + 64) / (2 * MAX_DC + 64)
-    return full + (score_share + (1 - score_share) * rest / BN if rest else 0.0)
-
-
-def choose_splits(bs: int, row_tiles: int, slots: int, sms: int = 132, max_waves: int = 4) -> int:
-    """Slot splits for ``bs * row_tiles`` row tiles on ``sms`` SMs (one block per SM fits).
-
-    A split of ``per_split = ceil(slots / s)`` slots (rounded up to a sub-tile) costs
-    :func:`_split_cost` tile times, and the launch ``waves`` of them with
-    ``waves = ceil(blocks / sms)``: pick the split count that minimises that (a partial last
-    wave idles SMs, a partial tile computes all its scores), the fewest splits on ties, at most
-    ``max_waves`` waves.
-    """
-    tiles = max(bs * row_tiles, 1)
-    best = None
-    for s in range(1, max(1, min(-(-slots // BN), -(-max_waves * sms // tiles))) + 1):
-        per_split, n = _split_slots(slots, s)
-        cost = -(-tiles * n // sms) * _split_cost(per_split)
-        if best is None or cost < best[0] - 1e-9:    # ties: the fewer splits
-            best = (cost, n)
-    return best[1]
-
-
-def _split_slots(slots: int, splits: int) -> tuple:
-    """``(slots_per_split, splits)`` covering ``slots``: equal shares, whole sub-tiles."""
-    per_split = -(-slots // max(splits, 1))
-    per_split = -(-per_split // VSLOTS) * VSLOTS
-    return per_split, -(-slots // per_split)
-
-
-def plan_splits(bs: int, N: int, H: int, max_slots: int, splits=None) -> tuple:
-    """``(splits, slots_per_split)`` of the tiled variant for a slot capacity ``max_slots``.
-
-    Only the capacity of the block table is known on the host without a synchronisation, so
-    the splits cover ``[0, max_pages * page_size)``; splits past a request's ``P + N`` return
-    at once with an empty partial.
-    """
-    row_tiles = -(-N * H // BM)
-    n = choose_splits(bs, row_tiles, max_slots, sm_count()) if splits is None else int(splits)
-    per_split, n = _split_slots(max_slots, n)
-    return n, per_split
-
-
-def allocate_workspace(bs: int, N: int, H: int, Dc: int, max_slots: int, splits=None):
-    """Device buffers for the split partials of the tiled variant: pass them as
-    ``workspace=`` when the call is captured in a CUDA graph (buffers allocated inside a
-    captured call would be freed while the graph still uses them)."""
-    n_splits, _ = plan_splits(bs, N, H, max_slots, splits)
-    return (device_empty((n_splits, bs, N * H, Dc), np.float32),
-            device_empty((n_splits, bs, N * H), np.float32))
-
-
-def verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visibility_bits,
-                num_nodes, *, sm_scale, check=None, variant=None, splits=None, out=None,
-                workspace=None):
-    """Masked MLA-absorb attention of every tree node over its prefix and ancestors (GPU).
-
-    Parameters
-    ----------
-    q_latent, q_rope, kv_cache, block_table, prefix_lens, visibility_bits, num_nodes : array
-        As in :func:`ddtree_numba.reference.verify_attn` (numpy or device arrays);
-        ``Dc <= 512``.
-    sm_scale : float
-        The model's softmax scale (required; see ``reference.deepseek_sm_scale``).
-    check : bool, optional
-        Value checks (pages, visibility rows). Default: on for numpy inputs only.
-    variant : str, optional
-        ``"tiled"`` (GPU default) or ``"readable"`` (simulator default).
-    splits : int, optional
-        Slot splits of the tiled variant (default: enough blocks to fill the GPU).
-    out : tuple, optional
-        Preallocated ``(out_latent, lse)`` device arrays.
-    workspace : tuple, optional
-        Split partials of the tiled variant
-        (:func:`~ddtree_numba.kernels.allocate_workspace`); required for CUDA
-        graph capture, allocated per call otherwise.
-
-    Returns
-    -------
-    tuple
-        ``out_latent`` ``float32[bs, N, H, Dc]`` and ``lse`` ``float32[bs, N, H]`` on device.
-    """
-    sz = check_verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens,
-                           visibility_bits, num_nodes, sm_scale, check=check)
-    if sz.Dc > MAX_DC:
-        raise ValueError(f"q_latent: expected Dc <= {MAX_DC}, got Dc = {sz.Dc}")
-    variant = resolve_variant(variant, readable="readable", fast="tiled")
-    kind = storage_kind(kv_cache)
-    if SIMULATOR and kind == "bfloat16":        # no bf16 on the simulator: widen exactly
-        kv_cache = np.asarray(kv_cache).astype(np.float32)
-        kind = "float32"
-    ql, qr = as_device(q_latent), as_device(q_rope)
-    cache = as_device(kv_cache)
-    if kind == "bfloat16":
-        cache = cache.view(np.uint16)
-    if variant == "tiled" and sz.Dc % 2 == 0 and sz.Dr % 2 == 0:   # value pairs: one load
-        if kind == "bfloat16":
-            cache, kind = cache.view(np.uint32), "bfloat16x2"
-        elif kind == "float32":
-            cache, kind = cache.view(np.uint64), "float32x2"
-    table, prefix = as_device(block_table), as_device(prefix_lens)
-    bits, nodes = as_device(visibility_bits), as_device(num_nodes)
-    if out is None:
-        out_latent = device_empty((sz.bs, sz.N, sz.H, sz.Dc), np.float32)
-        lse = device_empty((sz.bs, sz.N, sz.H), np.float32)
-    else:
-        out_latent, lse = out
-    if sz.bs == 0:
-        return out_latent, lse
-    stream = launch_stream()
-    args = (ql, qr, cache, table, prefix, bits, nodes, np.float32(sm_scale))
-    if variant == "readable":
-        rows = sz.bs * sz.N * sz.H
-        launch(_kernel("readable", kind), (rows + READABLE_THREADS - 1) // READABLE_THREADS,
-               READABLE_THREADS, stream)(*args, out_latent, lse)
-        return out_latent, lse
-    n_splits, per_split = plan_splits(sz.bs, sz.N, sz.H, sz.max_pages * sz.page_size, splits)
-    if workspace is None:
-        workspace = allocate_workspace(sz.bs, sz.N, sz.H, sz.Dc,
-                                       sz.max_pages * sz.page_size, splits)
-    part_out, part_lse = workspace
-    want = (n_splits, sz.bs, sz.N * sz.H, sz.Dc)
-    if tuple(part_out.shape) != want or tuple(part_lse.shape) != want[:3]:
-        raise ValueError(f"workspace: expected float32{list(want)} and float32{list(want[:3])} "
-                         f"(allocate_workspace), got {list(part_out.shape)} and "
-                         f"{list(part_lse.shape)}")
-    row_tiles = -(-sz.N * sz.H // BM)
-    flats = (ql.reshape(ql.size), qr.reshape(qr.size), cache.reshape(cache.size))
-    launch(_kernel("tiled", kind), (n_splits, row_tiles, sz.bs), TILED_THREADS, stream)(
-        *args, per_split, part_out, part_lse, *flats)
-    launch(_merge_kernel, (sz.N * sz.H, sz.bs), 128, stream)(
-        part_out, part_lse, nodes, out_latent, lse)
-    return out_latent, lse
-
-
-def build_specs():
-    """Specialisations launched by :func:`verify_attn` (for the build report)."""
-    from numba import types
-
-    from ._specs import KernelSpec
-
-    f4 = types.float32[:, :, :, ::1]
-    i1, i2 = types.int32[::1], types.int32[:, ::1]
-    bits = types.uint32[:, :, ::1]
-    specs = []
-    for kind, dtype in (("float32", types.float32), ("bfloat16", types.uint16)):
-        common = (f4, f4, dtype[:, :, ::1], i2, i1, bits, i1, types.float32)
-        specs.append(KernelSpec("verify_attn", f"readable {kind}", _kernel("readable", kind),
-                                (*common, f4, types.float32[:, :, ::1]), READABLE_THREADS,
-                                False))
-        specs.append(KernelSpec("verify_attn", f"tiled {kind}", _kernel("tiled", kind),
-                                (*common, types.int64, f4, types.float32[:, :, ::1],
-                                 types.float32[::1], types.float32[::1], dtype[::1]),
-                                TILED_THREADS, True))
-    packed = (f4, f4, types.uint32[:, :, ::1], i2, i1, bits, i1, types.float32, types.int64, f4,
-              types.float32[:, :, ::1], types.float32[::1], types.float32[::1],
-              types.uint32[::1])
-    specs.append(KernelSpec("verify_attn", "tiled bfloat16x2", _kernel("tiled", "bfloat16x2"),
-                            packed, TILED_THREADS, True))
-    pairs = (*packed[:2], types.uint64[:, :, ::1], *packed[3:-1], types.uint64[::1])
-    specs.append(KernelSpec("verify_attn", "tiled float32x2", _kernel("tiled", "float32x2"),
-                            pairs, TILED_THREADS, True))
-    specs.append(KernelSpec("verify_attn", "merge", _merge_kernel,
-                            (f4, types.float32[:, :, ::1], i1, f4, types.float32[:, :, ::1]),
-                            128, True))
-    return specs
+def kernel(kind: str):
+    """The tiled kernel for one storage kind (compiled once per kind)."""
+    if kind not in _KERNELS:
+        _KERNELS[kind] = _make_tiled_kernel(kind)
+    return _KERNELS[kind]

@@ -1,0 +1,207 @@
+"""Tree-masked MLA-absorb attention on the GPU: ``kernels.verify_attn``.
+
+Math (see ``reference.verify_attn``), for request ``b``, tree node ``i``, head ``h``::
+
+    s[t]     = sm_scale * (q_latent[b, i, h] . c[t] + q_rope[b, i, h] . r[t])
+    visible  = t < P  or  (t = P + j and bit j of visibility_bits[b, i])
+    out      = sum_t softmax(s)[t] * c[t]              # [Dc], still in latent space
+    lse      = log sum_t exp(s[t])
+
+where ``[c | r] = kv_cache[block_table[b, t // page_size], t % page_size]`` (one 576-wide row
+shared by all heads). Rows ``i >= num_nodes[b]`` are padding: ``out = 0``, ``lse = -inf``.
+A row never depends on a cache row it cannot see: other branches' tree slots, padding slots,
+slots past ``P + num_nodes[b]`` and unused pages may hold anything, NaN included. The kernels
+never read a block-table entry or cache row past slot ``P + num_nodes[b] - 1`` (with
+``check`` on, the launcher validates the pages of slots ``[0, P + N)`` on the host).
+
+Buffers (``P = prefix_lens[b]``, ``W = ceil(N / 32)``; everything on the current stream):
+
+=================== ================================ ===========================================
+buffer              type and shape                   role
+=================== ================================ ===========================================
+``q_latent``        ``float32[bs, N, H, Dc]``        ``q_nope`` times ``W_UK`` (absorbed)
+``q_rope``          ``float32[bs, N, H, Dr]``        rotary part of the queries
+``kv_cache``        ``f32|bf16|f16[pages, ps, D]``   one row per slot: ``Dc`` latent, ``Dr`` rope
+``block_table``     ``int32[bs, max_pages]``         slot ``t`` on page ``block_table[b, t // ps]``
+``prefix_lens``     ``int32[bs]``                    ``P``: the root sits at slot ``P``
+``visibility_bits`` ``uint32[bs, N, W]``             bit ``j`` of row ``i``: ``j`` on ``i``'s path
+``num_nodes``       ``int32[bs]``                    valid nodes; rows past it are padding
+``out_latent``      ``float32[bs, N, H, Dc]``        output (``out=``), still in latent space
+``lse``             ``float32[bs, N, H]``            output (``out=``), natural log
+``part_out``        ``float32[splits, bs, N H, Dc]`` tiled only (``workspace=``): ``out / l``
+``part_lse``        ``float32[splits, bs, N H]``     tiled only (``workspace=``): ``m + log l``
+=================== ================================ ===========================================
+
+FLOPs counted by the benchmark: ``2 * bs * N * H * T * (Dc + Dr + Dc)`` for ``T = P + N`` slots
+(the score dot product over ``Dc + Dr`` and the weighted sum over ``Dc``; masked slots counted).
+Bytes: the cache holds ``T * (Dc + Dr) * itemsize`` per request (2.4 MB in float32 at P = 1024),
+read once from DRAM; the tiled variant then reads it ``ceil(N H / 32)`` times from L2 (each
+block stages its slots twice: 576 values per row for the scores, 512 for the weighted sum),
+plus its 32 query rows (``32 * (Dc + Dr) * 4`` bytes) once per slot tile. At bs = 1, N = 16,
+H = 128, P = 1024 that is 4.6 GFLOP against ~2.4 MB of DRAM traffic: compute-bound by far.
+
+Two variants, one module each; read them in this order:
+
+* ``readable`` (:mod:`~ddtree_numba.kernels.verify_attn.readable`; one idea per step, runs on
+  the simulator): one thread per query row, the four steps of flash attention written out
+  once. Every cache row is read once per query row: simple and slow.
+* ``tiled`` (:mod:`~ddtree_numba.kernels.verify_attn.tiled`; fast, GPU only): 32 query rows
+  per block share each staged cache row; register-tiled products, online softmax by warp,
+  flash-decoding over slot splits.
+* :mod:`~ddtree_numba.kernels.verify_attn.splits`: how many slot splits the tiled variant
+  launches (host side) and the kernel that merges their partials by log-sum-exp.
+
+Shared device helpers (the mask bit, the element widening) live in ``_common``. This module
+holds the launcher :func:`verify_attn`, :func:`allocate_workspace` and the build report's list of
+specialisations.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...arrays import storage_kind
+from ...limits import MAX_DC
+from ...validation import check_verify_attn
+from .._device import (
+    SIMULATOR,
+    as_device,
+    device_empty,
+    launch,
+    launch_stream,
+    resolve_variant,
+)
+from . import readable, tiled
+from .readable import READABLE_THREADS
+from .splits import _merge_kernel, plan_splits
+from .tiled import BM, TILED_THREADS
+
+
+def _kernel(variant: str, kind: str):
+    """The ``variant`` kernel for storage ``kind`` (each module compiles it once)."""
+    return (readable if variant == "readable" else tiled).kernel(kind)
+
+
+def allocate_workspace(bs: int, N: int, H: int, Dc: int, max_slots: int, splits=None):
+    """Device buffers for the split partials of the tiled variant: pass them as
+    ``workspace=`` when the call is captured in a CUDA graph (buffers allocated inside a
+    captured call would be freed while the graph still uses them)."""
+    n_splits, _ = plan_splits(bs, N, H, max_slots, splits)
+    return (device_empty((n_splits, bs, N * H, Dc), np.float32),
+            device_empty((n_splits, bs, N * H), np.float32))
+
+
+def verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visibility_bits,
+                num_nodes, *, sm_scale, check=None, variant=None, splits=None, out=None,
+                workspace=None):
+    """Masked MLA-absorb attention of every tree node over its prefix and ancestors (GPU).
+
+    Parameters
+    ----------
+    q_latent, q_rope, kv_cache, block_table, prefix_lens, visibility_bits, num_nodes : array
+        As in :func:`ddtree_numba.reference.verify_attn` (numpy or device arrays);
+        ``Dc <= 512``.
+    sm_scale : float
+        The model's softmax scale (required; see ``reference.deepseek_sm_scale``).
+    check : bool, optional
+        Value checks (pages, visibility rows). Default: on for numpy inputs only.
+    variant : str, optional
+        ``"tiled"`` (GPU default) or ``"readable"`` (simulator default).
+    splits : int, optional
+        Slot splits of the tiled variant (default: enough blocks to fill the GPU).
+    out : tuple, optional
+        Preallocated ``(out_latent, lse)`` device arrays.
+    workspace : tuple, optional
+        Split partials of the tiled variant
+        (:func:`~ddtree_numba.kernels.allocate_workspace`); required for CUDA
+        graph capture, allocated per call otherwise.
+
+    Returns
+    -------
+    tuple
+        ``out_latent`` ``float32[bs, N, H, Dc]`` and ``lse`` ``float32[bs, N, H]`` on device.
+    """
+    sz = check_verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens,
+                           visibility_bits, num_nodes, sm_scale, check=check)
+    if sz.Dc > MAX_DC:
+        raise ValueError(f"q_latent: expected Dc <= {MAX_DC}, got Dc = {sz.Dc}")
+    variant = resolve_variant(variant, readable="readable", fast="tiled")
+    kind = storage_kind(kv_cache)
+    if SIMULATOR and kind == "bfloat16":        # no bf16 on the simulator: widen exactly
+        kv_cache = np.asarray(kv_cache).astype(np.float32)
+        kind = "float32"
+    ql, qr = as_device(q_latent), as_device(q_rope)
+    cache = as_device(kv_cache)
+    if kind == "bfloat16":
+        cache = cache.view(np.uint16)
+    if variant == "tiled" and sz.Dc % 2 == 0 and sz.Dr % 2 == 0:   # value pairs: one load
+        if kind == "bfloat16":
+            cache, kind = cache.view(np.uint32), "bfloat16x2"
+        elif kind == "float32":
+            cache, kind = cache.view(np.uint64), "float32x2"
+    table, prefix = as_device(block_table), as_device(prefix_lens)
+    bits, nodes = as_device(visibility_bits), as_device(num_nodes)
+    if out is None:
+        out_latent = device_empty((sz.bs, sz.N, sz.H, sz.Dc), np.float32)
+        lse = device_empty((sz.bs, sz.N, sz.H), np.float32)
+    else:
+        out_latent, lse = out
+    if sz.bs == 0:
+        return out_latent, lse
+    stream = launch_stream()
+    args = (ql, qr, cache, table, prefix, bits, nodes, np.float32(sm_scale))
+    if variant == "readable":
+        rows = sz.bs * sz.N * sz.H
+        launch(_kernel("readable", kind), (rows + READABLE_THREADS - 1) // READABLE_THREADS,
+               READABLE_THREADS, stream)(*args, out_latent, lse)
+        return out_latent, lse
+    n_splits, per_split = plan_splits(sz.bs, sz.N, sz.H, sz.max_pages * sz.page_size, splits)
+    if workspace is None:
+        workspace = allocate_workspace(sz.bs, sz.N, sz.H, sz.Dc,
+                                       sz.max_pages * sz.page_size, splits)
+    part_out, part_lse = workspace
+    want = (n_splits, sz.bs, sz.N * sz.H, sz.Dc)
+    if tuple(part_out.shape) != want or tuple(part_lse.shape) != want[:3]:
+        raise ValueError(f"workspace: expected float32{list(want)} and float32{list(want[:3])} "
+                         f"(allocate_workspace), got {list(part_out.shape)} and "
+                         f"{list(part_lse.shape)}")
+    row_tiles = -(-sz.N * sz.H // BM)
+    flats = (ql.reshape(ql.size), qr.reshape(qr.size), cache.reshape(cache.size))
+    launch(_kernel("tiled", kind), (n_splits, row_tiles, sz.bs), TILED_THREADS, stream)(
+        *args, per_split, part_out, part_lse, *flats)
+    launch(_merge_kernel, (sz.N * sz.H, sz.bs), 128, stream)(
+        part_out, part_lse, nodes, out_latent, lse)
+    return out_latent, lse
+
+
+def build_specs():
+    """Specialisations launched by :func:`verify_attn` (for the build report)."""
+    from numba import types
+
+    from .._specs import KernelSpec
+
+    f4 = types.float32[:, :, :, ::1]
+    i1, i2 = types.int32[::1], types.int32[:, ::1]
+    bits = types.uint32[:, :, ::1]
+    specs = []
+    for kind, dtype in (("float32", types.float32), ("bfloat16", types.uint16)):
+        common = (f4, f4, dtype[:, :, ::1], i2, i1, bits, i1, types.float32)
+        specs.append(KernelSpec("verify_attn", f"readable {kind}", _kernel("readable", kind),
+                                (*common, f4, types.float32[:, :, ::1]), READABLE_THREADS,
+                                False))
+        specs.append(KernelSpec("verify_attn", f"tiled {kind}", _kernel("tiled", kind),
+                                (*common, types.int64, f4, types.float32[:, :, ::1],
+                                 types.float32[::1], types.float32[::1], dtype[::1]),
+                                TILED_THREADS, True))
+    packed = (f4, f4, types.uint32[:, :, ::1], i2, i1, bits, i1, types.float32, types.int64, f4,
+              types.float32[:, :, ::1], types.float32[::1], types.float32[::1],
+              types.uint32[::1])
+    specs.append(KernelSpec("verify_attn", "tiled bfloat16x2", _kernel("tiled", "bfloat16x2"),
+                            packed, TILED_THREADS, True))
+    pairs = (*packed[:2], types.uint64[:, :, ::1], *packed[3:-1], types.uint64[::1])
+    specs.append(KernelSpec("verify_attn", "tiled float32x2", _kernel("tiled", "float32x2"),
+                            pairs, TILED_THREADS, True))
+    specs.append(KernelSpec("verify_attn", "merge", _merge_kernel,
+                            (f4, types.float32[:, :, ::1], i1, f4, types.float32[:, :, ::1]),
+                            128, True))
+    return specs

@@ -1,0 +1,131 @@
+"""Flash-decoding splits of the tiled variant: how many (host side) and how they merge (device).
+
+The tiled variant cuts the slots ``[0, max_pages * page_size)`` of every request into
+``splits`` equal ranges of whole 8-slot sub-tiles, one block per (split, 32-row tile, request),
+so that even bs = 1 fills the GPU. Each block writes an unnormalised partial of its split,
+``part_out = out / l`` and ``part_lse = m + log l`` (``-inf`` when the split saw no visible
+slot of the row); the merge kernel combines the splits of every row by log-sum-exp
+(``_merge_partials``, the only place the merge is written).
+
+Why one module for the plan and the merge: both are the flash-decoding split and nothing else.
+The plan decides the shape of the partial buffers (``allocate_workspace``) and the merge is
+their only reader; the tiled kernel itself only sees ``slots_per_split``. A learner reads the
+tiled kernel for one split, and this module for how splits are chosen and put back together.
+
+Host side: :func:`~ddtree_numba.kernels.verify_attn.splits.choose_splits` picks the count
+that minimises waves x block time (a partial last wave idles SMs, a partial tile still computes
+all its scores); :func:`~ddtree_numba.kernels.verify_attn.splits.plan_splits` turns it into
+``(splits, slots_per_split)`` for a launch. Only the block table's capacity is known on the
+host without a synchronisation, so splits past a request's ``P + num_nodes`` return at once
+with an empty partial.
+
+Merge kernel: grid ``(N * H, bs)``, 128 threads; block ``(row, b)`` reads ``part_lse[:, b,
+row]`` and, for each of its columns ``d`` (strided by 128), ``part_out[s, b, row, d]`` of every
+split, and writes ``out[b, i, h, d]`` and ``lse[b, i, h]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from numba import cuda, float32
+
+from ...limits import MAX_DC
+from .._device import SIMULATOR
+from ._common import NEG_INF
+from .tiled import BM, BN, VSLOTS
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current GPU (132 on the H200; 132 on the simulator)."""
+    if SIMULATOR:
+        return 132
+    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+
+def _split_cost(slots: int) -> float:
+    """Time of one block over ``slots`` slots, in tile times: every tile computes all BN
+    scores (576 of the 1088 FLOPs per slot and row), the weighted sum only the slots present."""
+    full, rest = divmod(slots, BN)
+    score_share = (MAX_DC + 64) / (2 * MAX_DC + 64)
+    return full + (score_share + (1 - score_share) * rest / BN if rest else 0.0)
+
+
+def choose_splits(bs: int, row_tiles: int, slots: int, sms: int = 132, max_waves: int = 4) -> int:
+    """Slot splits for ``bs * row_tiles`` row tiles on ``sms`` SMs (one block per SM fits).
+
+    A split of ``per_split = ceil(slots / s)`` slots (rounded up to a sub-tile) costs
+    :func:`_split_cost` tile times, and the launch ``waves`` of them with
+    ``waves = ceil(blocks / sms)``: pick the split count that minimises that (a partial last
+    wave idles SMs, a partial tile computes all its scores), the fewest splits on ties, at most
+    ``max_waves`` waves.
+    """
+    tiles = max(bs * row_tiles, 1)
+    best = None
+    for s in range(1, max(1, min(-(-slots // BN), -(-max_waves * sms // tiles))) + 1):
+        per_split, n = _split_slots(slots, s)
+        cost = -(-tiles * n // sms) * _split_cost(per_split)
+        if best is None or cost < best[0] - 1e-9:    # ties: the fewer splits
+            best = (cost, n)
+    return best[1]
+
+
+def _split_slots(slots: int, splits: int) -> tuple:
+    """``(slots_per_split, splits)`` covering ``slots``: equal shares, whole sub-tiles."""
+    per_split = -(-slots // max(splits, 1))
+    per_split = -(-per_split // VSLOTS) * VSLOTS
+    return per_split, -(-slots // per_split)
+
+
+def plan_splits(bs: int, N: int, H: int, max_slots: int, splits=None) -> tuple:
+    """``(splits, slots_per_split)`` of the tiled variant for a slot capacity ``max_slots``.
+
+    Only the capacity of the block table is known on the host without a synchronisation, so
+    the splits cover ``[0, max_pages * page_size)``; splits past a request's ``P + N`` return
+    at once with an empty partial.
+    """
+    row_tiles = -(-N * H // BM)
+    n = choose_splits(bs, row_tiles, max_slots, sm_count()) if splits is None else int(splits)
+    per_split, n = _split_slots(max_slots, n)
+    return n, per_split
+
+
+@cuda.jit(device=True, inline=True)
+def _merge_partials(part_out, part_lse, splits, b, row, d):
+    """Combine split partials of one output element by log-sum-exp.
+
+    ``lse = log sum_s exp(lse_s)``, ``out = sum_s exp(lse_s - lse) * out_s`` (splits that saw
+    no visible slot have ``lse_s = -inf`` and weigh 0).
+    """
+    M = NEG_INF
+    for s in range(splits):
+        M = max(M, part_lse[s, b, row])
+    total = float32(0.0)
+    value = float32(0.0)
+    if M > NEG_INF:
+        for s in range(splits):
+            w = math.exp(part_lse[s, b, row] - M)
+            total += w
+            value += w * part_out[s, b, row, d]
+        return value / total, M + math.log(total)
+    return float32(0.0), NEG_INF
+
+
+@cuda.jit
+def _merge_kernel(part_out, part_lse, num_nodes, out, lse):
+    """Grid ``(N * H, bs)``, 128 threads: one query row per block, columns strided."""
+    row = cuda.blockIdx.x
+    b = cuda.blockIdx.y
+    H = out.shape[2]
+    Dc = out.shape[3]
+    i = row // H
+    h = row % H
+    for d in range(cuda.threadIdx.x, Dc, cuda.blockDim.x):
+        if i >= num_nodes[b]:                   # padding row
+            value = float32(0.0)
+            row_lse = NEG_INF
+        else:
+            value, row_lse = _merge_partials(part_out, part_lse, part_lse.shape[0], b, row, d)
+        out[b, i, h, d] = value
+        if d == 0:
+            lse[b, i, h] = row_lse
