@@ -198,6 +198,50 @@ def _weighted_slot(p_sub, c_mine, ss, acc):
         acc[48 + 4 * j + 3] += pv.w * cv.w
 
 
+@cuda.jit(device=True, inline=True)
+def _softmax_row(soft, m, l, alpha, r, row, H, NH, n, bits, b, t0, t_end, P, lane, sm_scale):
+    """Steps 2 and 3 for row ``r`` of this warp's quad (``row`` is its flat query row): mask
+    and scale its 4 scores of this lane (slots ``t0 + lane + 32 k``), then the online softmax
+    update of its running max ``m[r]`` and sum ``l[r]``; ``alpha[r]`` gets the factor that
+    rescales the row's earlier output. Every call passes a literal ``r``, so ``soft``, ``m``,
+    ``l`` and ``alpha`` stay in registers whatever the compiler's unrolling decides (a loop over
+    ``r`` that CUDA 13.0's NVVM left rolled for sm_120 put them on the stack)."""
+    node = row // H
+    row_valid = row < NH and node < n
+    tile_max = NEG_INF
+    for k in range(4):
+        t = t0 + lane + 32 * k
+        ok = row_valid and t < t_end and (t < P or _visible(bits, b, node, t - P))
+        sk = soft[4 * r + k] * sm_scale if ok else NEG_INF     # a select: NaN never mixes in
+        soft[4 * r + k] = sk
+        tile_max = max(tile_max, sk)
+    for offset in (16, 8, 4, 2, 1):                 # the row's max over the warp's 128 slots
+        tile_max = max(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, offset))
+    m_new = max(m[r], tile_max)
+    rescale = float32(1.0)
+    if m_new > NEG_INF:
+        rescale = math.exp(m[r] - m_new) if m[r] > NEG_INF else float32(0.0)
+    tile_sum = float32(0.0)
+    for k in range(4):
+        p = math.exp(soft[4 * r + k] - m_new) if m_new > NEG_INF else float32(0.0)
+        soft[4 * r + k] = p
+        tile_sum += p
+    for offset in (16, 8, 4, 2, 1):                 # the row's sum over the warp's 128 slots
+        tile_sum += cuda.shfl_xor_sync(FULL_MASK, tile_sum, offset)
+    l[r] = l[r] * rescale + tile_sum
+    m[r] = m_new
+    alpha[r] = rescale
+
+
+@cuda.jit(device=True, inline=True)
+def _finish_row(m, l, alpha, r, row, NH, lane, part_lse, split, b):
+    """Row ``r`` of this warp's quad at the end of the split: ``alpha[r] = 1 / l`` (0 for a
+    row that saw nothing) and, from lane 0, the partial log-sum-exp ``m + log l``."""
+    alpha[r] = float32(1.0) / l[r] if l[r] > 0 else float32(0.0)
+    if lane == 0 and row < NH:
+        part_lse[split, b, row] = m[r] + math.log(l[r]) if l[r] > 0 else NEG_INF
+
+
 def _make_tiled_kernel(kind: str):
     # Even widths: the cache is read two values per load, "bfloat16x2" viewed as uint32 and
     # "float32x2" as uint64 words (half the loads and address arithmetic)
@@ -320,9 +364,7 @@ def _make_tiled_kernel(kind: str):
         c_mine = c_s[col4:]                    # c_mine[ss COL4 + 8 j]: C[ss, vector j of mine]
         p_mine = k_s[quad:]                    # p_mine[t ROW4]: P^T[t, quad]
         # Softmax: warp w owns quad w (its 4 rows' max and sum), lane holds slots lane + 32 k.
-        soft_rows = cuda.local.array(4, np.int64)
-        for r in range(4):
-            soft_rows[r] = row0 + 16 * (warp // 4) + warp % 4 + 4 * r
+        soft_row = row0 + 16 * (warp // 4) + warp % 4     # its row r is soft_row + 4 r
 
         # registers (loops over these are unrolled: constant indices, no local memory)
         acc = cuda.local.array(ACC, float32)    # O[row r of quad, col 4 c4_j + e] at 16r+4j+e
@@ -395,33 +437,14 @@ def _make_tiled_kernel(kind: str):
                 soft[4 + k] = v.y
                 soft[8 + k] = v.z
                 soft[12 + k] = v.w
-            for r in range(4):
-                row = soft_rows[r]
-                node = row // H
-                row_valid = row < NH and node < n
-                tile_max = NEG_INF
-                for k in range(4):
-                    t = t0 + lane + 32 * k
-                    ok = row_valid and t < t_end and (t < P or _visible(bits, b, node, t - P))
-                    sk = soft[4 * r + k] * sm_scale if ok else NEG_INF
-                    soft[4 * r + k] = sk
-                    tile_max = max(tile_max, sk)
-                for offset in (16, 8, 4, 2, 1):
-                    tile_max = max(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, offset))
-                m_new = max(m[r], tile_max)
-                rescale = float32(1.0)
-                if m_new > NEG_INF:
-                    rescale = math.exp(m[r] - m_new) if m[r] > NEG_INF else float32(0.0)
-                tile_sum = float32(0.0)
-                for k in range(4):
-                    p = math.exp(soft[4 * r + k] - m_new) if m_new > NEG_INF else float32(0.0)
-                    soft[4 * r + k] = p
-                    tile_sum += p
-                for offset in (16, 8, 4, 2, 1):
-                    tile_sum += cuda.shfl_xor_sync(FULL_MASK, tile_sum, offset)
-                l[r] = l[r] * rescale + tile_sum
-                m[r] = m_new
-                alpha[r] = rescale
+            _softmax_row(soft, m, l, alpha, 0, soft_row, H, NH, n, bits, b, t0, t_end, P, lane,
+                         sm_scale)
+            _softmax_row(soft, m, l, alpha, 1, soft_row + 4, H, NH, n, bits, b, t0, t_end, P,
+                         lane, sm_scale)
+            _softmax_row(soft, m, l, alpha, 2, soft_row + 8, H, NH, n, bits, b, t0, t_end, P,
+                         lane, sm_scale)
+            _softmax_row(soft, m, l, alpha, 3, soft_row + 12, H, NH, n, bits, b, t0, t_end, P,
+                         lane, sm_scale)
             for k in range(4):                  # each lane rewrites the vectors it read
                 k_s[(lane + 32 * k) * ROW4 + warp] = float32x4(soft[k], soft[4 + k],
                                                                soft[8 + k], soft[12 + k])
@@ -453,10 +476,10 @@ def _make_tiled_kernel(kind: str):
                 _unrolled8(_weighted_slot, p_sub, c_mine, acc)  # slots past t_end have p = 0
         # partial result of this split: output / l and its log-sum-exp m + log l
         cuda.syncthreads()                      # the last tile is done with alpha_s
-        for r in range(4):
-            alpha[r] = float32(1.0) / l[r] if l[r] > 0 else float32(0.0)
-            if lane == 0 and soft_rows[r] < NH:
-                part_lse[split, b, soft_rows[r]] = m[r] + math.log(l[r]) if l[r] > 0 else NEG_INF
+        _finish_row(m, l, alpha, 0, soft_row, NH, lane, part_lse, split, b)
+        _finish_row(m, l, alpha, 1, soft_row + 4, NH, lane, part_lse, split, b)
+        _finish_row(m, l, alpha, 2, soft_row + 8, NH, lane, part_lse, split, b)
+        _finish_row(m, l, alpha, 3, soft_row + 12, NH, lane, part_lse, split, b)
         if lane == 0:
             alpha_s[warp] = float32x4(alpha[0], alpha[1], alpha[2], alpha[3])
         cuda.syncthreads()                      # 1 / l of every row published
