@@ -42,17 +42,17 @@ H = 128, P = 1024 that is 4.6 GFLOP against ~2.4 MB of DRAM traffic: compute-bou
 
 Two variants, one module each; read them in this order:
 
-* ``readable`` (:mod:`~ddtree_numba.kernels.verify_attn.readable`; one idea per step, runs on
+* ``readable`` (``ddtree_numba.kernels.verify_attn.readable``; one idea per step, runs on
   the simulator): one thread per query row, the four steps of flash attention written out
   once. Every cache row is read once per query row: simple and slow.
-* ``tiled`` (:mod:`~ddtree_numba.kernels.verify_attn.tiled`; fast, GPU only): 32 query rows
+* ``tiled`` (``ddtree_numba.kernels.verify_attn.tiled``; fast, GPU only): 32 query rows
   per block share each staged cache row; register-tiled products, online softmax by warp,
   flash-decoding over slot splits.
-* :mod:`~ddtree_numba.kernels.verify_attn.splits`: how many slot splits the tiled variant
+* ``ddtree_numba.kernels.verify_attn.splits``: how many slot splits the tiled variant
   launches (host side) and the kernel that merges their partials by log-sum-exp.
 
 Shared device helpers (the mask bit, the element widening) live in ``_common``. This module
-holds the launcher :func:`verify_attn`, :func:`allocate_workspace` and the build report's list of
+holds the launcher ``verify_attn``, ``allocate_workspace`` and the build report's list of
 specialisations.
 """
 

@@ -55,7 +55,7 @@ def choose_splits(bs: int, row_tiles: int, slots: int, sms: int = 132, max_waves
     """Slot splits for ``bs * row_tiles`` row tiles on ``sms`` SMs (one block per SM fits).
 
     A split of ``per_split = ceil(slots / s)`` slots (rounded up to a sub-tile) costs
-    :func:`_split_cost` tile times, and the launch ``waves`` of them with
+    ``_split_cost`` tile times, and the launch ``waves`` of them with
     ``waves = ceil(blocks / sms)``: pick the split count that minimises that (a partial last
     wave idles SMs, a partial tile computes all its scores), the fewest splits on ties, at most
     ``max_waves`` waves.

@@ -73,7 +73,7 @@ sub-tiles are staged exactly as before. Registers on sm_90: 251 for the paired v
 (unchanged), 255 without spills for the one-value-per-load ones (252 before).
 
 Each block writes an unnormalised partial ``(out / l, m + log l)`` of its split;
-:mod:`~ddtree_numba.kernels.verify_attn.splits` chooses the splits and merges the partials.
+``ddtree_numba.kernels.verify_attn.splits`` chooses the splits and merges the partials.
 
 Resources (``python -m ddtree_numba build-report``): 251-255 registers on sm_90 and sm_120, no
 spills, 40 576 bytes of static shared memory (Q chunk 4.5 KiB, K chunk / ``P^T`` 18 KiB,
