@@ -131,8 +131,7 @@ def _build_report(args) -> int:
     tty = sys.stderr.isatty()
 
     def progress(done, total, cc, spec):     # on stderr: stdout stays clean for --json
-        line = f"compiling {total} kernels for sm_{cc[0]}{cc[1]}: {done}/{total} " \
-               f"{spec.stage}.{spec.variant}"
+        line = f"compiled {done}/{total}: {spec.stage}.{spec.variant} for sm_{cc[0]}{cc[1]}"
         if tty:                               # one line, rewritten in place
             print(f"\r{line}\033[K", end="\n" if done == total else "", file=sys.stderr,
                   flush=True)

@@ -19,7 +19,10 @@ Capability", as encoded in NVIDIA CCCL's ``cuda/__device/arch_traits.h``. All fo
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
+import multiprocessing
+import os
 import pkgutil
 import re
 from dataclasses import asdict, dataclass
@@ -200,19 +203,41 @@ def report_row(spec, cc) -> dict:
             "problems": check_resources(spec, res, limits)}
 
 
-def build_report(ccs=((12, 0),), *, progress=None) -> list:
+def _report_job(job) -> dict:
+    """One (specialisation index, target) of :func:`build_report`, in a worker process."""
+    index, cc = job
+    return report_row(kernel_specs()[index], cc)
+
+
+def build_report(ccs=((12, 0),), *, progress=None, jobs=None) -> list:
     """One row per (specialisation, target): resources, occupancy and problems.
 
     ``progress(done, total, cc, spec)``, if given, is called after each compilation (the
-    command line prints it on stderr: a report takes 30-60 s).
+    command line prints it on stderr). ``jobs`` worker processes compile in parallel (default:
+    one per CPU; each compilation is independent and single-threaded, so 16 cores compile a
+    report about 10x faster than one); ``jobs=1`` compiles in this process. Rows come back in
+    the same order either way: targets, then the specs in module order.
     """
     specs = kernel_specs()
-    rows = []
-    for cc in dict.fromkeys(ccs):            # a target asked for twice is compiled once
-        for done, spec in enumerate(specs, 1):
-            rows.append(report_row(spec, cc))
+    work = [(i, cc) for cc in dict.fromkeys(ccs) for i in range(len(specs))]   # a target
+    jobs = min(jobs or os.cpu_count() or 1, len(work))                          # once
+    rows = [None] * len(work)
+    if jobs <= 1:
+        for n, job in enumerate(work):
+            rows[n] = _report_job(job)
             if progress is not None:
-                progress(done, len(specs), cc, spec)
+                progress(n + 1, len(work), job[1], specs[job[0]])
+    else:
+        # fork: the workers inherit the imported package and numba's choice of target; the
+        # report compiles only (NVVM, nvJitLink) and never creates a CUDA context to inherit
+        context = multiprocessing.get_context("fork")
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+            futures = {pool.submit(_report_job, job): n for n, job in enumerate(work)}
+            for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+                n = futures[future]
+                rows[n] = future.result()
+                if progress is not None:
+                    progress(done, len(work), work[n][1], specs[work[n][0]])
     for name in unlisted_kernels(specs):
         rows.append({"cc": "-", "stage": name, "variant": "-",
                      "problems": ["kernel has no build spec"]})

@@ -104,8 +104,10 @@ def test_demo_runs_and_writes_only_the_plot(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     plot = tmp_path / "tree.svg"
+    # the simulator even on a GPU machine: the GPU demo is tested in test_greedy_step, and its
+    # GPU sizes would cost a minute of compiling here
     done = run(["-m", "ddtree_numba", "demo", "--bs", "1", "--steps", "2", "--plot", str(plot)],
-               cwd=work)
+               cwd=work, DDTREE_BACKEND="simulator")
     assert done.returncode == 0, done.stderr
     assert "output == plain greedy decoding: True" in done.stdout
     assert plot.stat().st_size > 1000
