@@ -41,6 +41,7 @@ float32 epsilons, plus one rounding of ``lse`` and one of ``x - lse``;
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -268,13 +269,8 @@ def _make_topk_kernel(bf16: bool):
     return topk_kernel
 
 
-_KERNELS = {}
-
-
-def _kernel(bf16: bool):
-    if bf16 not in _KERNELS:
-        _KERNELS[bf16] = _make_topk_kernel(bf16)
-    return _KERNELS[bf16]
+#: ``_kernel(bf16)``: the kernel for float32 or bfloat16 logits, made once per kind.
+_kernel = functools.cache(_make_topk_kernel)
 
 
 def draft_topk(logits, k, *, check=None, out=None):

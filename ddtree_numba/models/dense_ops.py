@@ -28,6 +28,7 @@ from numba import cuda, float32, float64
 from ..arrays import host_view
 from ..kernels._device import SIMULATOR, launch, launch_stream
 from ..kernels._primitives import block_sum
+from ..reference.commit_kv import slot_address
 
 TILE = 16            # linear: a TILE x TILE block computes a TILE x TILE output tile
 TILE_PAD = 17        # TILE + 1 (shared-array shapes must be literal constants)
@@ -239,7 +240,7 @@ class HostDenseOps:
         for b in range(bs):
             n, P = int(host_view(num_nodes)[b]), int(host_view(prefix_lens)[b])
             slots = P + np.arange(n)
-            cache[table[b, slots // page_size], slots % page_size] = rows[b * n_cap:][:n]
+            cache[slot_address(table[b], page_size, slots)] = rows[b * n_cap:][:n]
 
     def silu_mul(self, gate_up, out):
         gu, o = host_view(gate_up), host_view(out)

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..validation import check_verify_attn
 from .build_tree import unpack_bits
+from .commit_kv import slot_address
 
 
 def gather_slots(kv_cache, block_table_row, num_slots: int) -> np.ndarray:
@@ -31,9 +32,7 @@ def gather_slots(kv_cache, block_table_row, num_slots: int) -> np.ndarray:
 def gather_rows(kv_cache, block_table_row, slots) -> np.ndarray:
     """Rows of the logical slots ``slots`` (an int array) of one request: ``[len, Dc + Dr]``.
     Only their block-table entries and cache rows are read."""
-    page_size = kv_cache.shape[1]
-    slots = np.asarray(slots, np.int64)
-    return kv_cache[block_table_row[slots // page_size], slots % page_size]
+    return kv_cache[slot_address(block_table_row, kv_cache.shape[1], np.asarray(slots, np.int64))]
 
 
 def verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visibility_bits,

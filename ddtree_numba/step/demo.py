@@ -26,6 +26,7 @@ from .. import reference as ref
 from ..models.toy_drafter import FixedDrafter, ToyDrafter
 from ..models.toy_mla import ToyMLA, ToyMLAConfig
 from ..models.toy_mla_device import DeviceToyMLA
+from ..reference.commit_kv import slot_address
 from .greedy import GreedyStep
 
 CACHE_RTOL = 2e-4       # committed cache rows, device float32 vs reference float64
@@ -71,7 +72,7 @@ def _committed_rows(cache, table, prefix_lens, page_size):
     rows = []
     for b, P in enumerate(prefix_lens):
         slots = np.arange(int(P))
-        rows.append(cache[:, table[b, slots // page_size], slots % page_size])
+        rows.append(cache[(slice(None), *slot_address(table[b], page_size, slots))])
     return np.concatenate(rows, axis=1)
 
 

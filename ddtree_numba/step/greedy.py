@@ -253,7 +253,7 @@ class GreedyStep:
 
         Raises ``RuntimeError`` before the first step after :meth:`start` (the buffers hold
         nothing yet)."""
-        if not self._started or self.steps_done == 0:
+        if self.steps_done == 0:                   # start() resets it: nothing written yet
             raise RuntimeError("last_step: no step has run since start(); call step() first")
         self.synchronize()
         return {"tree": self.tree.to_host(), "target_predict": self.target_predict.copy_to_host(),

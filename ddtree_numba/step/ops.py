@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 from numba import cuda, float32, int32
 
 from ..arrays import host_view
 from ..kernels._device import SIMULATOR, launch, launch_stream
+from ..reference.greedy_step import argmax_per_node
 
 ROW_THREADS = 128    # argmax: threads per block (one block per row of logits)
 ADVANCE_THREADS = 32
@@ -106,11 +106,7 @@ class HostStepOps:
     name = "numpy"
 
     def argmax(self, logits, num_nodes, predict):
-        p = host_view(predict)
-        bs, n_cap = p.shape
-        best = np.argmax(host_view(logits), axis=1).astype(np.int32).reshape(bs, n_cap)
-        valid = np.arange(n_cap)[None, :] < host_view(num_nodes)[:, None]
-        p[:] = np.where(valid, best, -1)
+        host_view(predict)[:] = argmax_per_node(host_view(logits), host_view(num_nodes))
 
     def advance(self, accept, new_prefix_lens, prefix_lens, root_token_ids, emitted,
                 emitted_count):

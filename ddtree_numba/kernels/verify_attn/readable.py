@@ -26,6 +26,7 @@ once per 32 rows). bfloat16 caches are read as their ``uint16`` bits and widened
 
 from __future__ import annotations
 
+import functools
 import math
 
 from numba import cuda, float32
@@ -90,11 +91,5 @@ def _make_readable_kernel(kind: str):
     return readable_kernel
 
 
-_KERNELS: dict = {}
-
-
-def kernel(kind: str):
-    """The readable kernel for one storage kind (compiled once per kind)."""
-    if kind not in _KERNELS:
-        _KERNELS[kind] = _make_readable_kernel(kind)
-    return _KERNELS[kind]
+#: ``kernel(kind)``: the readable kernel for one storage kind, made (and compiled) once per kind.
+kernel = functools.cache(_make_readable_kernel)

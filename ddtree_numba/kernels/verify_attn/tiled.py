@@ -84,6 +84,7 @@ TFLOP/s (float32 cache) and 26.9 (bfloat16) at long prefixes, 51-53 % of cuBLAS 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -497,11 +498,5 @@ def _make_tiled_kernel(kind: str):
     return tiled_kernel
 
 
-_KERNELS: dict = {}
-
-
-def kernel(kind: str):
-    """The tiled kernel for one storage kind (compiled once per kind)."""
-    if kind not in _KERNELS:
-        _KERNELS[kind] = _make_tiled_kernel(kind)
-    return _KERNELS[kind]
+#: ``kernel(kind)``: the tiled kernel for one storage kind, made (and compiled) once per kind.
+kernel = functools.cache(_make_tiled_kernel)
