@@ -51,9 +51,9 @@ Two variants, one module each; read them in this order:
 * ``ddtree_numba.kernels.verify_attn.splits``: how many slot splits the tiled variant
   launches (host side) and the kernel that merges their partials by log-sum-exp.
 
-Shared device helpers (the mask bit, the element widening) live in ``_common``. This module
-holds the launcher ``verify_attn``, ``allocate_workspace`` and the build report's list of
-specialisations.
+The mask bit and the element widening are defined in ``readable`` and reused by ``tiled``.
+This module holds the launcher ``verify_attn``, ``allocate_workspace`` and the build report's
+list of specialisations.
 """
 
 from __future__ import annotations

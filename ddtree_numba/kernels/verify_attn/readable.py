@@ -29,11 +29,42 @@ from __future__ import annotations
 import functools
 import math
 
-from numba import cuda, float32
+import numpy as np
+from numba import cuda, float32, uint32
 
-from ._common import NEG_INF, _make_widen, _visible
+from .._primitives import bits_to_float
 
 READABLE_THREADS = 32
+# The two device helpers below are the tiled variant's too (it imports them from here). They
+# live in this module, beside the kernel that calls them, also for numba's CUDA simulator: it
+# swaps each module's ``cuda`` global on every call into a module no running thread is in,
+# which made calls from here into a separate helpers module 9x slower to simulate.
+NEG_INF = float32(-np.inf)
+
+
+def _make_widen(kind: str):
+    """Device function turning one stored cache element into float32, per storage type
+    (bfloat16 arrives as its uint16 bits)."""
+    if kind == "bfloat16":
+
+        @cuda.jit(device=True, inline=True)
+        def widen(raw):
+            return bits_to_float(uint32(raw) << uint32(16))
+
+    else:  # float32 and float16 (numba widens float16 with float32())
+
+        @cuda.jit(device=True, inline=True)
+        def widen(raw):
+            return float32(raw)
+
+    return widen
+
+
+@cuda.jit(device=True, inline=True)
+def _visible(bits, b, i, j):
+    """Bit ``j`` of row ``i`` of the packed ancestor mask."""
+    return (bits[b, i, j // 32] >> uint32(j % 32)) & uint32(1) != 0
+
 
 
 def _make_readable_kernel(kind: str):

@@ -32,7 +32,7 @@ from numba import cuda, float32
 
 from ...limits import MAX_DC
 from .._device import SIMULATOR
-from ._common import NEG_INF
+from .readable import NEG_INF
 from .tiled import BM, BN, VSLOTS
 
 

@@ -94,7 +94,7 @@ from numba.cuda import float32x4
 from ...limits import MAX_DC
 from .._device import SIMULATOR
 from .._primitives import bits_to_float, float_to_bits
-from ._common import NEG_INF, _make_widen, _visible
+from .readable import NEG_INF, _make_widen, _visible
 
 FULL_MASK = 0xFFFFFFFF
 TILED_THREADS = 256     # 8 warps
