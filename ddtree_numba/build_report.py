@@ -111,20 +111,60 @@ def unlisted_kernels(specs) -> list:
     return missing
 
 
-def compile_resources(kernel, signature, cc) -> Resources:
-    """PTX by numba-cuda, cubin and ptxas' report by nvJitLink (no GPU needed)."""
+def _nvrtc_ltoir(name: str, text: str, cc) -> bytes:
+    """LTO-IR of CUDA C++ source by NVRTC (cuda.bindings: no driver needed, unlike numba's
+    own NVRTC wrapper), for the link-time optimisation that inlines it into a kernel."""
+    from cuda.bindings import nvrtc
+
+    def check(result):
+        error, *values = result
+        if error != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"NVRTC: {error.name} compiling {name}")
+        return values
+
+    (program,) = check(nvrtc.nvrtcCreateProgram(text.encode(), name.encode(), 0, [], []))
+    options = [f"--gpu-architecture=sm_{cc[0]}{cc[1]}".encode(), b"-dlto", b"-rdc=true"]
+    (error,) = nvrtc.nvrtcCompileProgram(program, len(options), options)
+    if error != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        (size,) = check(nvrtc.nvrtcGetProgramLogSize(program))
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(program, log)
+        raise RuntimeError(f"NVRTC: {name}: {log.decode(errors='replace').strip()}")
+    (size,) = check(nvrtc.nvrtcGetLTOIRSize(program))
+    ltoir = b" " * size
+    check(nvrtc.nvrtcGetLTOIR(program, ltoir))
+    return ltoir
+
+
+def link_kernel(kernel, signature, cc, cuda_sources=()) -> tuple:
+    """``(ptxas log, cubin)`` of one kernel for ``sm_XY``, no GPU needed.
+
+    Plain numba kernels: PTX by numba-cuda, linked by nvJitLink. Kernels that call CUDA C++
+    (``cuda_sources``, the tensor-core wrappers): LTO-IR of the kernel by numba-cuda and of the
+    sources by NVRTC, linked by nvJitLink with ``-lto``, which inlines the wrappers as a launch
+    on the GPU does.
+    """
     from cuda.bindings import nvjitlink
     from numba import cuda
 
-    ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=cc)
     options = [f"-arch=sm_{cc[0]}{cc[1]}", "-verbose"]
     max_registers = getattr(kernel, "targetoptions", {}).get("max_registers")
     if max_registers:                       # what numba passes to the linker at launch
         options.append(f"-maxrregcount={max_registers}")
+    if cuda_sources:
+        code, _ = cuda.compile(kernel.py_func, signature, device=False, output="ltoir", cc=cc,
+                               abi="numba")
+        inputs = [(nvjitlink.InputType.LTOIR, code, "kernel")]
+        inputs += [(nvjitlink.InputType.LTOIR, _nvrtc_ltoir(name, text, cc), name)
+                   for name, text in cuda_sources]
+        options.append("-lto")
+    else:
+        ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=cc)
+        inputs = [(nvjitlink.InputType.PTX, ptx.encode(), "kernel")]
     handle = nvjitlink.create(len(options), options)
     try:
-        data = ptx.encode()
-        nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel")
+        for kind, data, name in inputs:
+            nvjitlink.add_data(handle, kind, data, len(data), name)
         try:
             nvjitlink.complete(handle)
         except nvjitlink.nvJitLinkError as error:    # ptxas' own words are in the error log
@@ -133,10 +173,47 @@ def compile_resources(kernel, signature, cc) -> Resources:
             raise RuntimeError(message.decode(errors="replace").strip() or str(error)) from None
         log = bytearray(nvjitlink.get_info_log_size(handle))
         nvjitlink.get_info_log(handle, log)
-        cubin_bytes = nvjitlink.get_linked_cubin_size(handle)
+        cubin = bytearray(nvjitlink.get_linked_cubin_size(handle))
+        nvjitlink.get_linked_cubin(handle, cubin)
     finally:
         nvjitlink.destroy(handle)
-    return parse_ptxas_log(log.decode(errors="replace"), cubin_bytes)
+    return log.decode(errors="replace"), bytes(cubin)
+
+
+def compile_resources(kernel, signature, cc, cuda_sources=()) -> Resources:
+    """ptxas' resource report of one kernel for ``sm_XY`` (:func:`link_kernel`)."""
+    log, cubin = link_kernel(kernel, signature, cc, cuda_sources)
+    return parse_ptxas_log(log, len(cubin))
+
+
+def sass_counts(cubin: bytes) -> dict:
+    """Instruction counts of a cubin's SASS by ``nvdisasm`` (the ``nvidia-cuda-nvdisasm``
+    wheel or a CUDA toolkit): tensor-core products (``HMMA``), shared-matrix loads
+    (``LDSM``), calls (``CALL``), local-memory accesses (``LDL``/``STL``) and all
+    instructions. ``None`` when no nvdisasm is found."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    tool = shutil.which("nvdisasm")
+    if tool is None:
+        try:
+            from cuda import pathfinder
+
+            tool = pathfinder.find_nvidia_binary_utility("nvdisasm")
+        except Exception:
+            tool = None
+    if tool is None:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
+    return {"instructions": len(ops), "HMMA": sum(o == "HMMA" for o in ops),
+            "LDSM": sum(o == "LDSM" for o in ops), "CALL": sum(o.startswith("CALL") for o in ops),
+            "local": sum(o in ("LDL", "STL") for o in ops)}
 
 
 def parse_ptxas_log(log: str, cubin_bytes: int = 0) -> Resources:
@@ -195,7 +272,7 @@ def report_row(spec, cc) -> dict:
            "fast": spec.fast, "threads": spec.threads}
     limits = ARCH_LIMITS[cc]
     try:
-        res = compile_resources(spec.kernel, spec.signature, cc)
+        res = compile_resources(spec.kernel, spec.signature, cc, spec.cuda_sources)
     except Exception as error:  # ptxas refuses e.g. more than 48 KiB of static shared memory
         message = " ".join(str(error).split())[:300]
         return {**row, "problems": [f"does not build for sm_{cc[0]}{cc[1]}: {message}"]}

@@ -19,3 +19,4 @@ class KernelSpec:
     signature: tuple      # numba argument types
     threads: int          # threads per block at launch
     fast: bool            # a GPU fast path: no spills and no stack allowed
+    cuda_sources: tuple = ()    # CUDA C++ it links (name, text): compiled by NVRTC, LTO

@@ -59,10 +59,12 @@ list of specialisations.
 from __future__ import annotations
 
 import numpy as np
+from numba import cuda
 
 from ...arrays import storage_kind
 from ...limits import MAX_DC
 from ...validation import check_verify_attn
+from .. import tensor_core
 from .._device import (
     SIMULATOR,
     as_device,
@@ -71,15 +73,59 @@ from .._device import (
     launch_stream,
     resolve_variant,
 )
-from . import readable, tiled
+from . import mma, readable, tiled
 from .readable import READABLE_THREADS
-from .splits import _merge_kernel, plan_splits
+from .splits import _merge_kernel, _merge_prefix_kernel, max_prefix_splits, plan_splits
 from .tiled import BM, TILED_THREADS
+
+VARIANTS = ("readable", "tiled", "mma")
 
 
 def _kernel(variant: str, kind: str):
     """The ``variant`` kernel for storage ``kind`` (each module compiles it once)."""
     return (readable if variant == "readable" else tiled).kernel(kind)
+
+
+def _compute_capability() -> tuple:
+    return tuple(cuda.get_current_device().compute_capability)
+
+
+def _mma_unsupported(kind: str, Dc: int, Dr: int):
+    """Why the mma variant cannot run here (None when it can)."""
+    if SIMULATOR:
+        return "the CUDA simulator cannot link the tensor-core wrappers"
+    if not mma.supported(kind, Dc, Dr):
+        return (f"it needs a bfloat16 or float16 cache with Dc and Dr multiples of 16, got a "
+                f"{kind} cache with Dc = {Dc}, Dr = {Dr}")
+    if _compute_capability() < tensor_core.MIN_CC:
+        return (f"it needs compute capability {tensor_core.MIN_CC[0]}.{tensor_core.MIN_CC[1]} "
+                f"or newer, this GPU has {'.'.join(map(str, _compute_capability()))}")
+    return None
+
+
+def choose_variant(variant, kind: str, Dc: int, Dr: int) -> str:
+    """The variant to launch: ``"mma"`` for 16-bit caches on GPUs with bf16 ``mma.sync``,
+    ``"tiled"`` on other GPUs and caches, ``"readable"`` on the simulator."""
+    if variant is None:
+        if SIMULATOR:
+            return "readable"
+        return "tiled" if _mma_unsupported(kind, Dc, Dr) else "mma"
+    if variant not in VARIANTS:
+        raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
+    if variant == "mma":
+        why = _mma_unsupported(kind, Dc, Dr)
+        if why:
+            raise ValueError(f"variant: 'mma' cannot run: {why}")
+        return variant
+    return resolve_variant(variant, readable="readable", fast="tiled")
+
+
+def allocate_mma_workspace(bs: int, N: int, H: int, Dc: int):
+    """Split partials of the mma variant (``workspace=``; the split count depends on ``N``
+    alone: ``splits.max_prefix_splits``)."""
+    n_splits = max_prefix_splits(N)
+    return (device_empty((n_splits, bs, N * H, Dc), np.float32),
+            device_empty((n_splits, bs, N * H), np.float32))
 
 
 def allocate_workspace(bs: int, N: int, H: int, Dc: int, max_slots: int, splits=None):
@@ -125,14 +171,14 @@ def verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visibility
                            visibility_bits, num_nodes, sm_scale, check=check)
     if sz.Dc > MAX_DC:
         raise ValueError(f"q_latent: expected Dc <= {MAX_DC}, got Dc = {sz.Dc}")
-    variant = resolve_variant(variant, readable="readable", fast="tiled")
     kind = storage_kind(kv_cache)
+    variant = choose_variant(variant, kind, sz.Dc, sz.Dr)
     if SIMULATOR and kind == "bfloat16":        # no bf16 on the simulator: widen exactly
         kv_cache = np.asarray(kv_cache).astype(np.float32)
         kind = "float32"
     ql, qr = as_device(q_latent), as_device(q_rope)
     cache = as_device(kv_cache)
-    if kind == "bfloat16":
+    if kind == "bfloat16" or variant == "mma":  # 16-bit values travel as their bits
         cache = cache.view(np.uint16)
     if variant == "tiled" and sz.Dc % 2 == 0 and sz.Dr % 2 == 0:   # value pairs: one load
         if kind == "bfloat16":
@@ -155,6 +201,8 @@ def verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visibility
         launch(_kernel("readable", kind), (rows + READABLE_THREADS - 1) // READABLE_THREADS,
                READABLE_THREADS, stream)(*args, out_latent, lse)
         return out_latent, lse
+    if variant == "mma":
+        return _launch_mma(sz, kind, args, cache, workspace, out_latent, lse, stream)
     n_splits, per_split = plan_splits(sz.bs, sz.N, sz.H, sz.max_pages * sz.page_size, splits)
     if workspace is None:
         workspace = allocate_workspace(sz.bs, sz.N, sz.H, sz.Dc,
@@ -171,6 +219,29 @@ def verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visibility
         *args, per_split, part_out, part_lse, *flats)
     launch(_merge_kernel, (sz.N * sz.H, sz.bs), 128, stream)(
         part_out, part_lse, nodes, out_latent, lse)
+    return out_latent, lse
+
+
+def _launch_mma(sz, kind, args, cache, workspace, out_latent, lse, stream):
+    """The mma variant and its merge (``splits.max_prefix_splits(N)`` splits per request)."""
+    if workspace is None:
+        workspace = allocate_mma_workspace(sz.bs, sz.N, sz.H, sz.Dc)
+    part_out, part_lse = workspace
+    n_splits = max_prefix_splits(sz.N)
+    want = (n_splits, sz.bs, sz.N * sz.H, sz.Dc)
+    if tuple(part_out.shape) != want or tuple(part_lse.shape) != want[:3]:
+        raise ValueError(f"workspace: expected float32{list(want)} and float32{list(want[:3])} "
+                         f"(allocate_mma_workspace), got {list(part_out.shape)} and "
+                         f"{list(part_lse.shape)}")
+    if cache.__cuda_array_interface__["data"][0] % 16:
+        raise ValueError("kv_cache: the mma variant copies 16-byte chunks: expected a cache "
+                         "whose data starts at a multiple of 16 bytes")
+    row_tiles = -(-sz.N * sz.H // mma.BM)
+    launch(mma.kernel(kind, sz.Dc, sz.Dr), (n_splits, row_tiles, sz.bs), mma.MMA_THREADS,
+           stream)(*args, part_out, part_lse, cache.reshape(cache.size))
+    _, _, _, _, prefix, _, nodes, _ = args
+    launch(_merge_prefix_kernel, (sz.N * sz.H, sz.bs), 128, stream)(
+        part_out, part_lse, prefix, nodes, sz.max_pages * sz.page_size, out_latent, lse)
     return out_latent, lse
 
 
@@ -201,6 +272,16 @@ def build_specs():
     pairs = (*packed[:2], types.uint64[:, :, ::1], *packed[3:-1], types.uint64[::1])
     specs.append(KernelSpec("verify_attn", "tiled float32x2", _kernel("tiled", "float32x2"),
                             pairs, TILED_THREADS, True))
+    sources = ((tensor_core.SOURCE_NAME, tensor_core.source()),)
+    u16 = types.uint16
+    for kind in ("bfloat16", "float16"):     # DeepSeek-V3 / Kimi-K2 rows: Dc 512, Dr 64
+        specs.append(KernelSpec("verify_attn", f"mma {kind}", mma.kernel(kind, 512, 64),
+                                (f4, f4, u16[:, :, ::1], i2, i1, bits, i1, types.float32, f4,
+                                 types.float32[:, :, ::1], u16[::1]),
+                                mma.MMA_THREADS, True, sources))
+    specs.append(KernelSpec("verify_attn", "merge by prefix", _merge_prefix_kernel,
+                            (f4, types.float32[:, :, ::1], i1, i1, types.int64, f4,
+                             types.float32[:, :, ::1]), 128, True))
     specs.append(KernelSpec("verify_attn", "merge", _merge_kernel,
                             (f4, types.float32[:, :, ::1], i1, f4, types.float32[:, :, ::1]),
                             128, True))

@@ -90,6 +90,31 @@ def plan_splits(bs: int, N: int, H: int, max_slots: int, splits=None) -> tuple:
     return n, per_split
 
 
+# Splits of the mma variant: fixed by the request's own prefix length (determinism).
+PREFIX_SPLITS = 8           # a prefix is cut into at most this many splits ...
+SPLIT_GRANULE = 128         # ... of a multiple of this many slots (a multiple of every tile)
+
+
+def _prefix_split_slots(P):
+    """Slots per split of a request whose prefix is ``P`` slots long: ``ceil(P / 8)`` rounded
+    up to a multiple of 128, at least 128. It depends on ``P`` alone, so the split boundaries
+    of a row (and so its result, to the bit) do not depend on the batch, the tree size or the
+    GPU; the tree slots ``[P, P + n)`` go to the last split or two."""
+    per = (P + PREFIX_SPLITS - 1) // PREFIX_SPLITS
+    per = (per + SPLIT_GRANULE - 1) // SPLIT_GRANULE * SPLIT_GRANULE
+    return max(per, SPLIT_GRANULE)
+
+
+#: the rule on the device (the same Python function, compiled for kernels)
+prefix_split_slots = cuda.jit(device=True, inline=True)(_prefix_split_slots)
+
+
+def max_prefix_splits(N: int) -> int:
+    """The most splits any request with ``N`` tree slots can need under
+    ``_prefix_split_slots``: 8 for the prefix, and the tree slots past them."""
+    return PREFIX_SPLITS + -(-N // SPLIT_GRANULE)
+
+
 @cuda.jit(device=True, inline=True)
 def _merge_partials(part_out, part_lse, splits, b, row, d):
     """Combine split partials of one output element by log-sum-exp.
@@ -109,6 +134,34 @@ def _merge_partials(part_out, part_lse, splits, b, row, d):
             value += w * part_out[s, b, row, d]
         return value / total, M + math.log(total)
     return float32(0.0), NEG_INF
+
+
+@cuda.jit
+def _merge_prefix_kernel(part_out, part_lse, prefix_lens, num_nodes, capacity, out, lse):
+    """The merge of the mma variant's splits: as ``_merge_kernel``, but request ``b`` has
+    ``ceil(end / prefix_split_slots(P))`` splits (``end = min(P + n, capacity)``, with ``P``
+    and ``n`` clamped as the kernel clamps them); blocks of later splits wrote nothing."""
+    row = cuda.blockIdx.x
+    b = cuda.blockIdx.y
+    N = out.shape[1]
+    H = out.shape[2]
+    Dc = out.shape[3]
+    i = row // H
+    h = row % H
+    n = min(max(num_nodes[b], 0), N)
+    P = min(max(prefix_lens[b], 0), capacity)
+    end = min(P + n, capacity)
+    per = prefix_split_slots(P)
+    splits = (end + per - 1) // per
+    for d in range(cuda.threadIdx.x, Dc, cuda.blockDim.x):
+        if i >= n:                              # padding row
+            value = float32(0.0)
+            row_lse = NEG_INF
+        else:
+            value, row_lse = _merge_partials(part_out, part_lse, splits, b, row, d)
+        out[b, i, h, d] = value
+        if d == 0:
+            lse[b, i, h] = row_lse
 
 
 @cuda.jit

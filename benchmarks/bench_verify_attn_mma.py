@@ -1,0 +1,139 @@
+"""Benchmark: verify_attn on 16-bit caches, the tensor-core variant ("mma") against the tiled
+CUDA-core variant, torch bfloat16 eager, and an mma.sync ceiling measured in the same run.
+
+Ceiling: a numba kernel whose warps issue independent chains of ``mma.sync.m16n8k16`` (bf16 in,
+float32 accumulate) through the same wrapper, no memory traffic: the most this instruction
+gives on this GPU (``mma_ceiling_tflops``). Configurations: the targets of the tensor-core work
+(bs 1 N 16 P 1024 H 128; P >= 8192 with H N >= 1024; the per-GPU shapes of 8-way tensor
+parallelism, Kimi-K2 H = 8 and DeepSeek-V3 H = 16). bfloat16 cache, Dc = 512, Dr = 64, 64-row
+pages, shuffled. FLOPs as in bench_verify_attn: ``2 bs N H T (Dc + Dr + Dc)``, ``T = P + N``.
+
+Accuracy column: the largest error of the mma output against the float64 reference (from the
+unrounded float32 queries), as a fraction of ``max |c|``, on the first request; the rounding
+bound it must stay under is ``u * max|c|`` for the probabilities plus the effect of rounding
+the queries (see tests/test_verify_attn_mma.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import cffi
+import cupy as cp
+import numpy as np
+import torch
+from bench_verify_attn import TorchOps, baseline, make_problem
+from harness import Bench, print_table
+from numba import cuda, float32, uint32
+
+from ddtree_numba import kernels as K
+from ddtree_numba import reference as ref
+from ddtree_numba.kernels import tensor_core as tc
+from ddtree_numba.kernels._device import launch
+
+kva = importlib.import_module("ddtree_numba.kernels.verify_attn")
+_ffi = cffi.FFI()
+CHAINS, ITERS = 8, 512
+ACC = 4 * CHAINS            # local-array sizes must be plain constants
+
+
+@cuda.jit
+def mma_chains(out, seed):
+    # independent accumulators per warp: the tensor pipe never waits on a result
+    acc = cuda.local.array(ACC, float32)
+    for k in range(ACC):
+        acc[k] = 0.0
+    a = uint32(seed) + uint32(cuda.threadIdx.x)
+    for _ in range(ITERS):
+        for c in range(CHAINS):
+            tc.mma_bf16_16816(_ffi.from_buffer(acc[4 * c:]), a, a, a, a, a, a)
+    total = float32(0.0)
+    for k in range(ACC):
+        total += acc[k]
+    out[cuda.grid(1)] = total
+
+
+def mma_ceiling_tflops(bench: Bench) -> float:
+    blocks, threads = 132 * 16, 128
+    out = cuda.device_array(blocks * threads, np.float32)
+    seed = 0x3F803F80                                   # bf16 pairs of 1.0
+    t = bench.time_device(lambda: launch(mma_chains, blocks, threads)(out, seed), reps=10)
+    flops = blocks * (threads // 32) * ITERS * CHAINS * 4096
+    return flops / (t["ms"] * 1e-3) / 1e12
+
+
+def main():
+    bench = Bench("verify_attn_mma")
+    ceiling = mma_ceiling_tflops(bench)
+    print(f"mma.sync ceiling {ceiling:.1f} TFLOP/s", flush=True)
+    rng = np.random.default_rng(0)
+    sm_scale = ref.deepseek_sm_scale()
+    configs = [(1, 16, 1024, 128), (1, 64, 8192, 128), (1, 16, 8192, 128),
+               (8, 64, 8192, 64), (1, 16, 4096, 8), (1, 16, 4096, 16),
+               (8, 64, 8192, 8), (8, 64, 8192, 16), (1, 256, 32768, 128)]
+    for bs, N, P, H in configs:
+        ql, qr, cache, cache_t, table, prefix, tree = make_problem(rng, bs, N, P, H, "bfloat16")
+        T = P + N
+        flops = 2 * bs * N * H * T * (512 + 64 + 512)
+        d_args = [K.as_device(ql), K.as_device(qr), cache_t, K.as_device(table),
+                  K.as_device(prefix), K.as_device(tree.visibility_bits),
+                  K.as_device(tree.num_nodes)]
+        out = (K.as_device(cp.empty((bs, N, H, 512), cp.float32)),
+               K.as_device(cp.empty((bs, N, H), cp.float32)))
+        reps = 5 if flops > 2e11 else 20
+        ws_mma = kva.allocate_mma_workspace(bs, N, H, 512)
+        ws_tiled = kva.allocate_workspace(bs, N, H, 512, table.shape[1] * 64)
+        row = dict(bs=bs, N=N, prefix=P, H=H)
+        for variant, ws in (("mma", ws_mma), ("tiled", ws_tiled)):
+            def launch(variant=variant, ws=ws):
+                K.verify_attn(*d_args, sm_scale=sm_scale, out=out, workspace=ws,
+                              variant=variant, check=False)
+            t = bench.time_device(launch, reps=reps)
+            row[f"{variant}_us"] = t["ms"] * 1e3
+            row[f"{variant}_tflops"] = flops / (t["ms"] * 1e-3) / 1e12
+        row["pct_of_mma_ceiling"] = 100 * row["mma_tflops"] / ceiling
+        if N * H * T * 2 <= 2 << 30:
+            slots = np.arange(T)
+            pages, offs = table[:, slots // 64], slots % 64
+            rows_t, masks_t = [], []
+            for b in range(bs):
+                vis = ref.unpack_bits(tree.visibility_bits[b], N)
+                m = np.concatenate([np.ones((N, P), bool), vis], axis=1)
+                masks_t.append(torch.as_tensor(np.where(m, 0.0, -np.inf)).cuda().bfloat16())
+                rows_t.append(cache_t[torch.as_tensor(pages[b]).cuda(),
+                                      torch.as_tensor(offs).cuda()])
+            qlt, qrt = torch.as_tensor(ql).bfloat16(), torch.as_tensor(qr).bfloat16()
+
+            def torch_way():
+                for b in range(bs):
+                    baseline(TorchOps, qlt[b], qrt[b], rows_t[b], masks_t[b], sm_scale, N, H)
+
+            with torch.cuda.stream(torch.cuda.ExternalStream(bench.stream.ptr)):
+                row["torch_bf16_us"] = bench.time_eager_events(torch_way, reps=3)["ms"] * 1e3
+            row["speedup_vs_torch"] = row["torch_bf16_us"] / row["mma_us"]
+        if bs * N * H * T <= 2**27:                     # float64 reference of request 0
+            K.verify_attn(*d_args, sm_scale=sm_scale, out=out, workspace=ws_mma,
+                          variant="mma")
+            got = out[0].copy_to_host()
+            host = [cp.asnumpy(ql[:1]), cp.asnumpy(qr[:1]),
+                    cache_t.float().cpu().numpy(), table[:1], prefix[:1],
+                    tree.visibility_bits[:1], tree.num_nodes[:1]]
+            want, _ = ref.verify_attn(*host, sm_scale=sm_scale)
+            row["max_err_over_max_c"] = float(np.abs(got[:1] - want).max()
+                                              / np.abs(host[2][..., :512]).max())
+        bench.add(**row, mma_ceiling_tflops=ceiling)
+        bench.write_csv()
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
+              flush=True)
+        cp.get_default_memory_pool().free_all_blocks()
+        torch.cuda.empty_cache()
+    print_table(bench.rows, ["bs", "N", "prefix", "H", "mma_us", "mma_tflops",
+                             "pct_of_mma_ceiling", "tiled_us", "torch_bf16_us",
+                             "speedup_vs_torch", "max_err_over_max_c"],
+                f"verify_attn (mma, bf16 cache) on {bench.gpu}, {bench.date}; mma.sync "
+                f"ceiling {ceiling:.1f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:2])
