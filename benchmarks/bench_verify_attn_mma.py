@@ -82,7 +82,7 @@ def main():
         out = (K.as_device(cp.empty((bs, N, H, 512), cp.float32)),
                K.as_device(cp.empty((bs, N, H), cp.float32)))
         reps = 5 if flops > 2e11 else 20
-        ws_mma = kva.allocate_mma_workspace(bs, N, H, 512)
+        ws_mma = K.allocate_workspace(bs, N, H, 512, 0, variant="mma")
         ws_tiled = kva.allocate_workspace(bs, N, H, 512, table.shape[1] * 64)
         row = dict(bs=bs, N=N, prefix=P, H=H)
         for variant, ws in (("mma", ws_mma), ("tiled", ws_tiled)):

@@ -31,11 +31,12 @@ def main():
 
 
 
-def attention(bf16: bool = False):
-    """One tiled verify_attn launch at bs=1, N=16, prefix 1024, H=128 (ncu: regex:tiled);
-    ``--bf16``: the cache stored as bfloat16."""
+def attention(bf16: bool = False, N: int = 16, P: int = 1024):
+    """One verify_attn launch at bs=1, N=16, prefix 1024, H=128 (ncu: regex:tiled);
+    ``--bf16``: the cache stored as bfloat16 (the mma variant: regex:mma_kernel);
+    ``--nodes N --prefix P`` another shape."""
     rng = np.random.default_rng(1)
-    bs, N, P, H = 1, 16, 1024, 128
+    bs, H = 1, 128
     x = rng.standard_normal((bs, 15, 64)).astype(np.float32) * 3
     lp, ids = ref.draft_topk(x, 8)
     prefix = np.full(bs, P, np.int32)
@@ -61,4 +62,10 @@ def attention(bf16: bool = False):
 if __name__ == "__main__":
     import sys
 
-    attention("--bf16" in sys.argv) if "--attention" in sys.argv else main()
+    def option(name, default):
+        return int(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
+
+    if "--attention" in sys.argv:
+        attention("--bf16" in sys.argv, option("--nodes", 16), option("--prefix", 1024))
+    else:
+        main()

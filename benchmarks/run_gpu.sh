@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched GPU session: the test suite on the device, then every benchmark.
 # Logs and CSVs go to $OUT (the device tool brings them back). Usage, from the repo root:
-#   bash benchmarks/run_gpu.sh [all|tests|bench|profile|attn|attn-profile|small|step]
+#   bash benchmarks/run_gpu.sh [all|tests|bench|profile|attn|attn-mma|attn-profile|small|step]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-benchmarks/results}
@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
     --format=csv | tee "$OUT/gpu.txt"
 python3 -m ddtree_numba info | tee -a "$OUT/gpu.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    DDTREE_GPU=1 timeout 300 python3 -m pytest -q -x -p no:cacheprovider 2>&1 \
+    DDTREE_GPU=1 timeout 540 python3 -m pytest -n 14 -q -x -p no:cacheprovider 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -15
 fi
 if [ "$what" = profile ] || [ "$what" = all ]; then
@@ -49,6 +49,10 @@ fi
 if [ "$what" = attn ] || [ "$what" = all ]; then
     (cd benchmarks && OUT="$OUT" timeout 400 python3 bench_verify_attn.py) 2>&1 \
         | tee "$OUT/bench_verify_attn.log" | tail -80
+fi
+if [ "$what" = attn-mma ] || [ "$what" = all ]; then   # the tensor-core variant, bf16 cache
+    (cd benchmarks && OUT="$OUT" timeout 300 python3 bench_verify_attn_mma.py) 2>&1 \
+        | tee "$OUT/bench_verify_attn_mma.log" | tail -14
 fi
 if [ "$what" = step ] || [ "$what" = all ]; then
     DDTREE_GPU=1 timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_greedy_step.py \

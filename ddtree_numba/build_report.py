@@ -151,15 +151,16 @@ def link_kernel(kernel, signature, cc, cuda_sources=()) -> tuple:
     max_registers = getattr(kernel, "targetoptions", {}).get("max_registers")
     if max_registers:                       # what numba passes to the linker at launch
         options.append(f"-maxrregcount={max_registers}")
+    bounds = getattr(kernel, "targetoptions", {}).get("launch_bounds")   # as at launch
     if cuda_sources:
         code, _ = cuda.compile(kernel.py_func, signature, device=False, output="ltoir", cc=cc,
-                               abi="numba")
+                               abi="numba", launch_bounds=bounds)
         inputs = [(nvjitlink.InputType.LTOIR, code, "kernel")]
         inputs += [(nvjitlink.InputType.LTOIR, _nvrtc_ltoir(name, text, cc), name)
                    for name, text in cuda_sources]
         options.append("-lto")
     else:
-        ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=cc)
+        ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=cc, launch_bounds=bounds)
         inputs = [(nvjitlink.InputType.PTX, ptx.encode(), "kernel")]
     handle = nvjitlink.create(len(options), options)
     try:
@@ -184,6 +185,21 @@ def compile_resources(kernel, signature, cc, cuda_sources=()) -> Resources:
     """ptxas' resource report of one kernel for ``sm_XY`` (:func:`link_kernel`)."""
     log, cubin = link_kernel(kernel, signature, cc, cuda_sources)
     return parse_ptxas_log(log, len(cubin))
+
+
+def format_sass_notes(rows) -> list:
+    """One line per kernel that links CUDA C++: what its SASS holds (``sass_counts``)."""
+    lines = []
+    for r in rows:
+        sass = r.get("sass")
+        if sass:
+            lines.append(f"{r['cc']} {r['stage']} {r['variant']}: {sass['HMMA']} HMMA, "
+                         f"{sass['LDSM']} LDSM, {sass['CALL']} CALL, {sass['local']} local-"
+                         f"memory accesses in {sass['instructions']} instructions")
+        elif "sass" in r:
+            lines.append(f"{r['cc']} {r['stage']} {r['variant']}: no nvdisasm to read the SASS "
+                         f"(pip install nvidia-cuda-nvdisasm)")
+    return lines
 
 
 def sass_counts(cubin: bytes) -> dict:
@@ -272,10 +288,13 @@ def report_row(spec, cc) -> dict:
            "fast": spec.fast, "threads": spec.threads}
     limits = ARCH_LIMITS[cc]
     try:
-        res = compile_resources(spec.kernel, spec.signature, cc, spec.cuda_sources)
+        log, cubin = link_kernel(spec.kernel, spec.signature, cc, spec.cuda_sources)
+        res = parse_ptxas_log(log, len(cubin))
     except Exception as error:  # ptxas refuses e.g. more than 48 KiB of static shared memory
         message = " ".join(str(error).split())[:300]
         return {**row, "problems": [f"does not build for sm_{cc[0]}{cc[1]}: {message}"]}
+    if spec.cuda_sources:       # tensor-core kernels: HMMA present, no CALL into the wrappers
+        row["sass"] = sass_counts(cubin)
     return {**row, **asdict(res), **occupancy(res, spec.threads, limits),
             "problems": check_resources(spec, res, limits)}
 
@@ -369,6 +388,7 @@ def format_table(rows) -> str:
     table = [heads] + [[cell(r, c) for c in columns] for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)) for line in table]
+    lines += [f"sass: {line}" for line in format_sass_notes(rows)]
     problems = format_problems(rows)
     lines.append("problems: " + ("none" if not problems else f"{len(problems)}"))
     lines += [f"  {line}" for line in problems]
@@ -395,4 +415,8 @@ def format_side_by_side(rows) -> str:
                          f"{r['blocks_per_sm']} ({r['occupancy']:.0%}), "
                          f"{'none' if not spill else f'{spill} B'}")
         lines.append(f"| {stage} | {variant} | " + " | ".join(cells) + " |")
+    notes = format_sass_notes(rows)
+    if notes:
+        lines += ["", "SASS of the kernels that link CUDA C++ (nvdisasm):", ""]
+        lines += [f"- {line}" for line in notes]
     return "\n".join(lines) + "\n"

@@ -514,6 +514,53 @@ def thumbnails(out: str, tree) -> None:
     plt.close(fig)
 
 
+def mma_fragment_figure(out: str) -> None:
+    """Lane maps of mma.sync.m16n8k16 (A, B, C) and of the mma verify_attn kernel's warps,
+    drawn from ``reference.mma_fragments`` and the kernel's constants (nothing restated)."""
+    import numpy as np
+
+    from ddtree_numba.reference import mma_fragments as mf
+
+    plt = _plt()
+    fig = plt.figure(figsize=(7.6, 10.4))       # A on top, B and C below: cells stay legible
+    grid = fig.add_gridspec(2, 2, height_ratios=[1, 1])
+    axes = [fig.add_subplot(grid[0, :]), fig.add_subplot(grid[1, 0]),
+            fig.add_subplot(grid[1, 1])]
+    cmap = plt.get_cmap("tab20")
+    panels = [
+        ("A: 16 x 16, row-major (a0..a3)", (16, 16),
+         [(mf.a_element(lane, reg, half), lane, reg) for lane in range(32) for reg in range(4)
+          for half in range(2)]),
+        ("B: 16 x 8, k x n (b0, b1)", (16, 8),
+         [(mf.b_element(lane, reg, half), lane, reg) for lane in range(32) for reg in range(2)
+          for half in range(2)]),
+        ("C, D: 16 x 8, float32 (c0..c3)", (16, 8),
+         [(mf.c_element(lane, i), lane, i) for lane in range(32) for i in range(4)]),
+    ]
+    for ax, (title, shape, cells) in zip(axes, panels, strict=True):
+        colour = np.zeros((*shape, 3))
+        for (r, c), lane, _ in cells:
+            g, t = divmod(lane, 4)              # tab20: a dark and a light shade per group g
+            colour[r, c] = cmap(2 * g + t % 2)[:3]
+        ax.imshow(colour, interpolation="nearest")
+        for (r, c), lane, reg in cells:
+            ax.text(c, r, f"{lane}\n{reg}", ha="center", va="center", fontsize=7,
+                    linespacing=0.9)
+        ax.set_xticks(range(shape[1]))
+        ax.set_yticks(range(shape[0]))
+        ax.tick_params(labelsize=7)
+        ax.set_xlabel("column (k for A, n for B and C)" if shape[1] == 16 else "column",
+                      fontsize=9)
+        ax.set_ylabel("row (k for B)" if "B" in title else "row", fontsize=9)
+        _title(ax, title, fontsize=10)
+    fig.suptitle("mma.sync.m16n8k16: in each cell the lane (top) and the register (bottom)\n"
+                 "that hold the element; colour: the lane's group g = lane // 4 (lighter: t = "
+                 "lane % 4 odd)", fontsize=10, x=0.01, ha="left")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "mma_fragments.png"), dpi=110)
+    plt.close(fig)
+
+
 def generate(out: str) -> None:
     os.makedirs(out, exist_ok=True)
     step = ddtree_step_figure(os.path.join(out, "ddtree_step.png"))
@@ -522,4 +569,5 @@ def generate(out: str) -> None:
     build_tree_layout(out)
     draft_topk_layout(out)
     accept_commit_layout(out)
+    mma_fragment_figure(out)
     thumbnails(out, step["tree"])

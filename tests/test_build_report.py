@@ -52,6 +52,21 @@ def test_every_kernel_compiles_for_sm120_and_sm90(report_rows):
             assert row["spill_stores"] == row["spill_loads"] == row["stack"] == 0, row
 
 
+def test_tensor_core_kernels_link_their_wrappers_away(report_rows):
+    """The mma variant links tensor_core.cu by LTO: its SASS holds the products (HMMA) and the
+    shared-matrix loads (LDSM), no local memory, and no CALL but the two of float32
+    division's slow path after the tile loop (nvdisasm from the test extra reads it)."""
+    rows = [r for r in report_rows if r["variant"].startswith("mma")]
+    assert {(r["cc"], r["variant"]) for r in rows} == {
+        (cc, f"mma {kind}") for cc in ("12.0", "9.0") for kind in ("bfloat16", "float16")}
+    for row in rows:
+        sass = row["sass"]
+        if sass is None:
+            pytest.skip("no nvdisasm on this machine")
+        assert sass["HMMA"] == 34 and sass["LDSM"] == 17, row     # one tile, fully unrolled
+        assert sass["local"] == 0 and sass["CALL"] <= 4, row
+
+
 BAD_KERNELS = textwrap.dedent('''
     import json
     from numba import cuda, float32, int32, types

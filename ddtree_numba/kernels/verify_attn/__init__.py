@@ -28,8 +28,8 @@ buffer              type and shape                   role
 ``num_nodes``       ``int32[bs]``                    valid nodes; rows past it are padding
 ``out_latent``      ``float32[bs, N, H, Dc]``        output (``out=``), still in latent space
 ``lse``             ``float32[bs, N, H]``            output (``out=``), natural log
-``part_out``        ``float32[splits, bs, N H, Dc]`` tiled only (``workspace=``): ``out / l``
-``part_lse``        ``float32[splits, bs, N H]``     tiled only (``workspace=``): ``m + log l``
+``part_out``        ``float32[splits, bs, N H, Dc]`` tiled, mma (``workspace=``): ``out / l``
+``part_lse``        ``float32[splits, bs, N H]``     tiled, mma (``workspace=``): ``m + log l``
 =================== ================================ ===========================================
 
 FLOPs counted by the benchmark: ``2 * bs * N * H * T * (Dc + Dr + Dc)`` for ``T = P + N`` slots
@@ -40,7 +40,7 @@ block stages its slots twice: 576 values per row for the scores, 512 for the wei
 plus its 32 query rows (``32 * (Dc + Dr) * 4`` bytes) once per slot tile. At bs = 1, N = 16,
 H = 128, P = 1024 that is 4.6 GFLOP against ~2.4 MB of DRAM traffic: compute-bound by far.
 
-Two variants, one module each; read them in this order:
+Three variants, one module each; read them in this order:
 
 * ``readable`` (``ddtree_numba.kernels.verify_attn.readable``; one idea per step, runs on
   the simulator): one thread per query row, the four steps of flash attention written out
@@ -48,8 +48,15 @@ Two variants, one module each; read them in this order:
 * ``tiled`` (``ddtree_numba.kernels.verify_attn.tiled``; fast, GPU only): 32 query rows
   per block share each staged cache row; register-tiled products, online softmax by warp,
   flash-decoding over slot splits.
-* ``ddtree_numba.kernels.verify_attn.splits``: how many slot splits the tiled variant
-  launches (host side) and the kernel that merges their partials by log-sum-exp.
+* ``mma`` (``ddtree_numba.kernels.verify_attn.mma``; GPU only, compute capability 8.0+,
+  bfloat16 / float16 caches with ``Dc``, ``Dr`` multiples of 16; the default where it runs):
+  the products on the tensor cores (``mma.sync`` through ``kernels/tensor_core.cu``), 16 query
+  rows per block, cache tiles staged by ``cp.async`` in a two-stage pipeline. Query rows and
+  probabilities are rounded to the cache's 16-bit type (the tolerance is stated in
+  ``tests/test_verify_attn_mma.py``); splits are fixed by each request's own prefix length,
+  so a row's bits do not depend on the rest of the launch.
+* ``ddtree_numba.kernels.verify_attn.splits``: how many slot splits the tiled and mma
+  variants launch and the kernels that merge their partials by log-sum-exp.
 
 The mask bit and the element widening are defined in ``readable`` and reused by ``tiled``.
 This module holds the launcher ``verify_attn``, ``allocate_workspace`` and the build report's
@@ -120,19 +127,19 @@ def choose_variant(variant, kind: str, Dc: int, Dr: int) -> str:
     return resolve_variant(variant, readable="readable", fast="tiled")
 
 
-def allocate_mma_workspace(bs: int, N: int, H: int, Dc: int):
-    """Split partials of the mma variant (``workspace=``; the split count depends on ``N``
-    alone: ``splits.max_prefix_splits``)."""
-    n_splits = max_prefix_splits(N)
-    return (device_empty((n_splits, bs, N * H, Dc), np.float32),
-            device_empty((n_splits, bs, N * H), np.float32))
-
-
-def allocate_workspace(bs: int, N: int, H: int, Dc: int, max_slots: int, splits=None):
-    """Device buffers for the split partials of the tiled variant: pass them as
-    ``workspace=`` when the call is captured in a CUDA graph (buffers allocated inside a
-    captured call would be freed while the graph still uses them)."""
-    n_splits, _ = plan_splits(bs, N, H, max_slots, splits)
+def allocate_workspace(bs: int, N: int, H: int, Dc: int, max_slots: int, splits=None, *,
+                       variant: str = "tiled"):
+    """Device buffers for the split partials of the ``"tiled"`` or ``"mma"`` variant: pass them
+    as ``workspace=`` when the call is captured in a CUDA graph (buffers allocated inside a
+    captured call would be freed while the graph still uses them). The mma variant's split
+    count depends on ``N`` alone (``splits.max_prefix_splits``); ``max_slots`` and ``splits``
+    are the tiled variant's."""
+    if variant == "mma":
+        n_splits = max_prefix_splits(N)
+    elif variant == "tiled":
+        n_splits, _ = plan_splits(bs, N, H, max_slots, splits)
+    else:
+        raise ValueError(f"variant: expected 'tiled' or 'mma', got {variant!r}")
     return (device_empty((n_splits, bs, N * H, Dc), np.float32),
             device_empty((n_splits, bs, N * H), np.float32))
 
@@ -152,15 +159,18 @@ def verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visibility
     check : bool, optional
         Value checks (pages, visibility rows). Default: on for numpy inputs only.
     variant : str, optional
-        ``"tiled"`` (GPU default) or ``"readable"`` (simulator default).
+        ``"mma"`` (the GPU default for 16-bit caches on compute capability 8.0+ with ``Dc``
+        and ``Dr`` multiples of 16), ``"tiled"`` (the GPU default otherwise) or
+        ``"readable"`` (the simulator default); see
+        :func:`~ddtree_numba.kernels.verify_attn.choose_variant`.
     splits : int, optional
         Slot splits of the tiled variant (default: enough blocks to fill the GPU).
     out : tuple, optional
         Preallocated ``(out_latent, lse)`` device arrays.
     workspace : tuple, optional
-        Split partials of the tiled variant
-        (:func:`~ddtree_numba.kernels.allocate_workspace`); required for CUDA
-        graph capture, allocated per call otherwise.
+        Split partials of the tiled or mma variant
+        (:func:`~ddtree_numba.kernels.allocate_workspace`, with its ``variant``); required
+        for CUDA graph capture, allocated per call otherwise.
 
     Returns
     -------
@@ -225,14 +235,14 @@ def verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visibility
 def _launch_mma(sz, kind, args, cache, workspace, out_latent, lse, stream):
     """The mma variant and its merge (``splits.max_prefix_splits(N)`` splits per request)."""
     if workspace is None:
-        workspace = allocate_mma_workspace(sz.bs, sz.N, sz.H, sz.Dc)
+        workspace = allocate_workspace(sz.bs, sz.N, sz.H, sz.Dc, 0, variant="mma")
     part_out, part_lse = workspace
     n_splits = max_prefix_splits(sz.N)
     want = (n_splits, sz.bs, sz.N * sz.H, sz.Dc)
     if tuple(part_out.shape) != want or tuple(part_lse.shape) != want[:3]:
         raise ValueError(f"workspace: expected float32{list(want)} and float32{list(want[:3])} "
-                         f"(allocate_mma_workspace), got {list(part_out.shape)} and "
-                         f"{list(part_lse.shape)}")
+                         f"(allocate_workspace(..., variant='mma')), got "
+                         f"{list(part_out.shape)} and {list(part_lse.shape)}")
     if cache.__cuda_array_interface__["data"][0] % 16:
         raise ValueError("kv_cache: the mma variant copies 16-byte chunks: expected a cache "
                          "whose data starts at a multiple of 16 bytes")

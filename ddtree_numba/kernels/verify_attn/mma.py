@@ -23,9 +23,12 @@ buffers while the tile before is being computed: a two-stage pipeline):
    two ``mma`` per read).
 2. The four warps' partial scores meet in shared memory and every warp sums the same four in
    the same order (warp 0 first: deterministic), for the 8 scores its lanes hold in the C
-   layout (rows ``g`` and ``g + 8``, columns ``2t, 2t + 1, 2t + 8, 2t + 9``). Mask and scale;
-   online softmax per row: the row max is a max over the lane's 4 values and two shuffles
-   within its quad of lanes, the row sum stays per lane until the end.
+   layout (rows ``g`` and ``g + 8``, columns ``2t, 2t + 1, 2t + 8, 2t + 9``). Scale (into base
+   2: ``exp2`` is one instruction) and, only in tiles that hold tree slots or the split's end,
+   mask. Online softmax per row: the row max is a max over the lane's 4 values and two shuffles
+   within its quad of lanes, the row sum stays per lane until the end; the output is rescaled
+   only when some row max of the warp grew (a warp vote), which after the first tiles of a
+   long prefix is rare.
 3. ``O += P V``: the probabilities, rounded to 16 bits, are packed straight from the score
    registers into A fragments (the C-to-A identity, ``mma_fragments.c_to_a``). V is the first
    ``Dc`` columns of the same staged rows, read with ``ldmatrix.x4.trans``. Warp ``w`` owns the
@@ -40,8 +43,9 @@ Which thread touches which byte:
   ``cp.async`` itself (source size 0: nothing is read);
 * shared memory: ``kv`` = two tiles of 16 rows, each ``D + 8`` values wide (16 bytes of padding
   per row, so the 8 rows an ``ldmatrix`` reads at once start in 8 different bank groups);
-  ``partial[w, r, c]`` = warp ``w``'s partial score of row ``r``, slot ``c`` (rows 24 floats
-  apart: the 4 lanes of a quad and the 4 quads of a half-warp hit different banks);
+  ``partial`` = each lane's 8 partial scores as two float32x4 at ``2 (32 w + lane)`` and ``+ 1``
+  (left and right tile; swapped when bit 2 of the lane is set, so that the 8 lanes of one
+  128-byte phase of a vector store or load hit 8 different 16-byte bank groups);
 * output: lane ``4 g + t`` of warp ``w`` writes rows ``g`` and ``g + 8``, columns ``16 c + 2t,
   + 1, + 8, + 9`` of its groups ``c`` of ``part_out``; warp 0's lanes ``t = 0`` write the rows'
   ``part_lse``. ``splits.merge`` combines the splits.
@@ -56,6 +60,13 @@ since ``0 * NaN`` is NaN on the tensor cores too. Cache rows past ``P + num_node
 read. Unchecked inputs (``check=False``) are clamped: ``num_nodes`` to ``[0, N]``,
 ``prefix_lens`` to ``[0, capacity]``, slots to the block table's capacity, pages to the cache.
 
+Resources (``python -m ddtree_numba build-report``): launch bounds of 3 blocks per SM cap the
+registers at 168, without spills on sm_90 and sm_120; 41 472 bytes of static shared memory
+(two tiles of 18.7 KB, 4 KB of partial scores). The SASS of the tile loop holds the 34 HMMA and
+17 LDSM, no CALL (the few CALLs of the kernel are outside the tile loop: the float32 division
+slow path of ``1 / l`` after it, and on sm_120 one 64-bit division before it) and no local
+memory.
+
 Precision: the cache is already 16-bit; the query rows are rounded to the cache's type when
 loaded, and the probabilities when packed for ``P V`` (as FlashAttention and FlashMLA do);
 products accumulate in float32, softmax in float32.
@@ -68,18 +79,29 @@ import math
 
 import cffi
 from numba import cuda, float32, uint16, uint32, uint64
+from numba.cuda import float32x4
 
 from .. import tensor_core as tc
+from .._device import SIMULATOR
 from .readable import NEG_INF
 from .splits import prefix_split_slots
 
 MMA_THREADS = 128   # 4 warps
 WARPS = MMA_THREADS // 32
+BLOCKS_PER_SM = 3   # launch bounds: at most 168 registers, so 3 blocks (12 warps) fit an SM
 BM = 16             # query rows per block: the M of one mma
 BN = 16             # slots per staged tile: the N of two score mma, the K of the P V mma
-PARTIAL_STRIDE = 24     # floats between rows of a warp's partial scores (bank spread)
+PARTIALS = WARPS * 32 * 2   # float32x4 partial scores: per warp, per lane, left and right
 FULL_MASK = 0xFFFFFFFF
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 _ffi = cffi.FFI()
+if SIMULATOR:   # no vector element type on the simulator (the variant is GPU-only anyway)
+    F32X4 = None
+else:
+    from numba.cuda.vector_types import vector_types
+
+    F32X4 = vector_types["float32x4"]
 
 
 def supported(kind: str, Dc: int, Dr: int) -> bool:
@@ -122,35 +144,43 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int):
         return pack(q_rope[b, i, h, d - Dc], q_rope[b, i, h, d - Dc + 1])
 
     @cuda.jit(device=True, inline=True)
-    def summed_score(partial, r, c):
-        """The score of row ``r``, slot ``c``: the four warps' partials, warp 0 first."""
-        return ((partial[0, r, c] + partial[1, r, c]) + partial[2, r, c]) + partial[3, r, c]
+    def summed_scores(partial, lane, half):
+        """This lane's 4 scores of the left (``half`` 0) or right tile: the four warps'
+        partials for the same lane and half (the same elements), warp 0 first."""
+        h = half ^ ((lane >> 2) & 1)            # the swizzle of the writes (see there)
+        a = partial[(0 * 32 + lane) * 2 + h]
+        b = partial[(1 * 32 + lane) * 2 + h]
+        c = partial[(2 * 32 + lane) * 2 + h]
+        d = partial[(3 * 32 + lane) * 2 + h]
+        return (((a.x + b.x) + c.x) + d.x, ((a.y + b.y) + c.y) + d.y,
+                ((a.z + b.z) + c.z) + d.z, ((a.w + b.w) + c.w) + d.w)
 
     @cuda.jit(device=True, inline=True)
-    def masked(s, sm_scale, bits, b, i, slot, P, hi):
-        """``sm_scale * s`` if row ``i`` sees ``slot``, else ``-inf`` (a select: a NaN score of
+    def masked(s, scale2, bits, b, i, slot, P, hi):
+        """``scale2 * s`` if row ``i`` sees ``slot``, else ``-inf`` (a select: a NaN score of
         an invisible slot never reaches the row)."""
         visible = slot < hi
         if visible and slot >= P:
             j = uint32(slot - P)
             visible = (bits[b, i, j // uint32(32)] >> (j % uint32(32))) & uint32(1) != 0
-        return s * sm_scale if visible else NEG_INF
+        return s * scale2 if visible else NEG_INF
 
     @cuda.jit(device=True, inline=True)
     def softmax_step(m, l, s0, s1, s2, s3):
         """One row's online-softmax update from the 4 scores of this lane (the quad holds the
-        row's 16): ``(m, l, rescale, p0..p3)``; ``l`` stays a per-lane partial sum."""
+        row's 16), in base 2 (scores are pre-multiplied by ``log2 e``):
+        ``(m, l, rescale, p0..p3)``; ``l`` stays a per-lane partial sum."""
         mx = max(max(s0, s1), max(s2, s3))
         mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, 1))
         mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, 2))
         m_new = max(m, mx)
         if m_new == NEG_INF:                    # nothing visible yet: all stays 0
             return m, l, float32(1.0), float32(0.0), float32(0.0), float32(0.0), float32(0.0)
-        rescale = math.exp(m - m_new)           # exp(-inf) = 0 on the first visible slot
-        p0 = math.exp(s0 - m_new)
-        p1 = math.exp(s1 - m_new)
-        p2 = math.exp(s2 - m_new)
-        p3 = math.exp(s3 - m_new)
+        rescale = math.exp2(m - m_new)          # exp2(-inf) = 0 on the first visible slot
+        p0 = math.exp2(s0 - m_new)
+        p1 = math.exp2(s1 - m_new)
+        p2 = math.exp2(s2 - m_new)
+        p3 = math.exp2(s3 - m_new)
         return m_new, l * rescale + ((p0 + p1) + (p2 + p3)), rescale, p0, p1, p2, p3
 
     @cuda.jit(device=True, inline=True)
@@ -167,20 +197,20 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int):
                 nbytes = uint32(16)
                 offset = (uint64(page) * uint64(page_size) + uint64(uint32(slot)
                           % uint32(page_size))) * uint64(ROW_BYTES)
-        dst = kv_base + uint32(2 * (buf * TILE + (tid // 8) * ROW))
+        first = tid % 8                         # chunks first, first + 8, ... of the row
+        dst = kv_base + uint32(2 * (buf * TILE + (tid // 8) * ROW) + 16 * first)
+        offset += uint64(16 * first)
         src = _ffi.from_buffer(cache_flat)
         for u in range(CHUNK_STEPS):
-            chunk = tid % 8 + 8 * u
-            if chunk < CHUNKS:
-                tc.cp_async_16(dst + uint32(16 * chunk), src, offset + uint64(16 * chunk),
-                               nbytes)
+            if CHUNKS % 8 == 0 or first + 8 * u < CHUNKS:     # (folds away when even)
+                tc.cp_async_16(dst + uint32(128 * u), src, offset + uint64(128 * u), nbytes)
         tc.cp_async_commit()
 
-    @cuda.jit
+    @cuda.jit(launch_bounds=(MMA_THREADS, BLOCKS_PER_SM))
     def mma_kernel(q_latent, q_rope, cache, block_table, prefix_lens, bits, num_nodes, sm_scale,
                    part_out, part_lse, cache_flat):
         kv = cuda.shared.array(KV_VALUES, uint16)                # two staged tiles
-        partial = cuda.shared.array((WARPS, BM, PARTIAL_STRIDE), float32)
+        partial = cuda.shared.array(PARTIALS, F32X4, alignment=16)   # [warp, lane, half]
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
@@ -228,6 +258,7 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int):
         # P V (.trans): matrix lane // 8 = slots 0-7 | 8-15, columns +0 | +8 of a group
         v_lane = 2 * ((lane % 8 + 8 * ((lane // 8) % 2)) * ROW + 8 * (lane // 16))
         kv_base = tc.shared_address(_ffi.from_buffer(kv))
+        scale2 = sm_scale * float32(LOG2E)      # scores in base 2: exp2 is one instruction
 
         o = cuda.local.array(O_VALUES, float32)
         for k in range(O_VALUES):
@@ -258,45 +289,52 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int):
                 s_right[k] = 0.0
             for kk in range(KQ):
                 ks = warp + WARPS * kk
-                if ks < KSTEPS:
+                if KSTEPS % WARPS == 0 or ks < KSTEPS:      # (folds away when even)
                     tc.ldmatrix_x4(_ffi.from_buffer(frag), tile + uint32(k_lane + 32 * ks))
                     mma(_ffi.from_buffer(s_left), qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2],
                         qa[4 * kk + 3], frag[0], frag[1])
                     mma(_ffi.from_buffer(s_right), qa[4 * kk], qa[4 * kk + 1],
                         qa[4 * kk + 2], qa[4 * kk + 3], frag[2], frag[3])
-            partial[warp, g, 2 * t] = s_left[0]
-            partial[warp, g, 2 * t + 1] = s_left[1]
-            partial[warp, g + 8, 2 * t] = s_left[2]
-            partial[warp, g + 8, 2 * t + 1] = s_left[3]
-            partial[warp, g, 2 * t + 8] = s_right[0]
-            partial[warp, g, 2 * t + 9] = s_right[1]
-            partial[warp, g + 8, 2 * t + 8] = s_right[2]
-            partial[warp, g + 8, 2 * t + 9] = s_right[3]
+            # this lane's 8 partial scores, in its own C-layout order: conflict-free vectors
+            # lane L's two vectors sit at 2 (32 w + L) and + 1, swapped when bit 2 of L is
+            # set: the 8 lanes of one 128-byte phase then fill 8 different 16-byte banks
+            swap = (lane >> 2) & 1
+            partial[(warp * 32 + lane) * 2 + swap] = float32x4(s_left[0], s_left[1],
+                                                               s_left[2], s_left[3])
+            partial[(warp * 32 + lane) * 2 + (1 - swap)] = float32x4(s_right[0], s_right[1],
+                                                                     s_right[2], s_right[3])
             cuda.syncthreads()                  # all four warps' partials are written
 
-            # 2. full scores, mask and scale, online softmax (rows rg and rg8)
-            c = tile_start + 2 * t              # the slots of this lane: c, c+1, c+8, c+9
-            x0 = masked(summed_score(partial, g, 2 * t), sm_scale, bits, b, ig, c, P, hi)
-            x1 = masked(summed_score(partial, g, 2 * t + 1), sm_scale, bits, b, ig, c + 1, P,
-                        hi)
-            x2 = masked(summed_score(partial, g, 2 * t + 8), sm_scale, bits, b, ig, c + 8, P,
-                        hi)
-            x3 = masked(summed_score(partial, g, 2 * t + 9), sm_scale, bits, b, ig, c + 9, P,
-                        hi)
-            y0 = masked(summed_score(partial, g + 8, 2 * t), sm_scale, bits, b, ig8, c, P, hi)
-            y1 = masked(summed_score(partial, g + 8, 2 * t + 1), sm_scale, bits, b, ig8, c + 1,
-                        P, hi)
-            y2 = masked(summed_score(partial, g + 8, 2 * t + 8), sm_scale, bits, b, ig8, c + 8,
-                        P, hi)
-            y3 = masked(summed_score(partial, g + 8, 2 * t + 9), sm_scale, bits, b, ig8, c + 9,
-                        P, hi)
+            # 2. full scores (base 2), mask, online softmax (rows rg: x, rg8: y)
+            x0, x1, y0, y1 = summed_scores(partial, lane, 0)   # slots c, c+1 (left tile)
+            x2, x3, y2, y3 = summed_scores(partial, lane, 1)   # slots c+8, c+9 (right)
+            if tile_start + BN <= P and tile_start + BN <= hi:
+                x0 *= scale2                    # an interior prefix tile: every row sees
+                x1 *= scale2                    # every slot, nothing to mask
+                x2 *= scale2
+                x3 *= scale2
+                y0 *= scale2
+                y1 *= scale2
+                y2 *= scale2
+                y3 *= scale2
+            else:                               # tree slots or the split's end
+                c = tile_start + 2 * t          # the slots of this lane: c, c+1, c+8, c+9
+                x0 = masked(x0, scale2, bits, b, ig, c, P, hi)
+                x1 = masked(x1, scale2, bits, b, ig, c + 1, P, hi)
+                x2 = masked(x2, scale2, bits, b, ig, c + 8, P, hi)
+                x3 = masked(x3, scale2, bits, b, ig, c + 9, P, hi)
+                y0 = masked(y0, scale2, bits, b, ig8, c, P, hi)
+                y1 = masked(y1, scale2, bits, b, ig8, c + 1, P, hi)
+                y2 = masked(y2, scale2, bits, b, ig8, c + 8, P, hi)
+                y3 = masked(y3, scale2, bits, b, ig8, c + 9, P, hi)
             m_g, l_g, r_g, x0, x1, x2, x3 = softmax_step(m_g, l_g, x0, x1, x2, x3)
             m_g8, l_g8, r_g8, y0, y1, y2, y3 = softmax_step(m_g8, l_g8, y0, y1, y2, y3)
-            for k in range(0, O_VALUES, 4):     # rescale: values 0, 1 are row rg, 2, 3 rg8
-                o[k] *= r_g
-                o[k + 1] *= r_g
-                o[k + 2] *= r_g8
-                o[k + 3] *= r_g8
+            if cuda.any_sync(FULL_MASK, r_g != 1.0 or r_g8 != 1.0):  # a row max grew:
+                for k in range(0, O_VALUES, 4):  # values 0, 1 are row rg, 2, 3 row rg8
+                    o[k] *= r_g
+                    o[k + 1] *= r_g
+                    o[k + 2] *= r_g8
+                    o[k + 3] *= r_g8
             # the probabilities as the A fragment of P (16 rows x 16 slots): C-to-A identity
             pa0 = pack(x0, x1)
             pa1 = pack(y0, y1)
@@ -307,7 +345,7 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int):
             tree = tile_start + BN > P          # the tile holds tree slots (block-uniform)
             for gq in range(GQ):
                 group = warp + WARPS * gq
-                if group < GROUPS:
+                if GROUPS % WARPS == 0 or group < GROUPS:
                     tc.ldmatrix_x4_trans(_ffi.from_buffer(frag),
                                          tile + uint32(v_lane + 32 * group))
                     if tree:                    # invisible rows may hold NaN: 0 * NaN = NaN
@@ -337,11 +375,12 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int):
                     part_out[split, b, rg8, col + 1] = o[8 * gq + 3] * inv_g8
                     part_out[split, b, rg8, col + 8] = o[8 * gq + 6] * inv_g8
                     part_out[split, b, rg8, col + 9] = o[8 * gq + 7] * inv_g8
-        if warp == 0 and t == 0:
+        if warp == 0 and t == 0:                # natural log: (m + log2 l) ln 2
             if rg < rows:
-                part_lse[split, b, rg] = m_g + math.log(l_g) if l_g > 0 else NEG_INF
+                part_lse[split, b, rg] = (m_g + math.log2(l_g)) * LN2 if l_g > 0 else NEG_INF
             if rg8 < rows:
-                part_lse[split, b, rg8] = m_g8 + math.log(l_g8) if l_g8 > 0 else NEG_INF
+                part_lse[split, b, rg8] = ((m_g8 + math.log2(l_g8)) * LN2 if l_g8 > 0
+                                           else NEG_INF)
 
     return mma_kernel
 

@@ -136,32 +136,54 @@ def _merge_partials(part_out, part_lse, splits, b, row, d):
     return float32(0.0), NEG_INF
 
 
+MAX_PREFIX_SPLITS = PREFIX_SPLITS + -(-1056 // SPLIT_GRANULE)   # for N up to MAX_NODES
+
+
 @cuda.jit
 def _merge_prefix_kernel(part_out, part_lse, prefix_lens, num_nodes, capacity, out, lse):
-    """The merge of the mma variant's splits: as ``_merge_kernel``, but request ``b`` has
-    ``ceil(end / prefix_split_slots(P))`` splits (``end = min(P + n, capacity)``, with ``P``
-    and ``n`` clamped as the kernel clamps them); blocks of later splits wrote nothing."""
+    """The merge of the mma variant's splits: request ``b`` has ``ceil(end /
+    prefix_split_slots(P))`` splits (``end = min(P + n, capacity)``, ``P`` and ``n`` clamped
+    as the kernel clamps them); blocks of later splits wrote nothing.
+
+    The split weights ``exp(lse_s - lse)`` of the row are computed once, by the first
+    ``splits`` threads, into shared memory (one barrier); then each thread sums its columns
+    over the splits in split order."""
+    weight = cuda.shared.array(MAX_PREFIX_SPLITS, float32)
     row = cuda.blockIdx.x
     b = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
     N = out.shape[1]
     H = out.shape[2]
     Dc = out.shape[3]
     i = row // H
     h = row % H
     n = min(max(num_nodes[b], 0), N)
+    if i >= n:                                  # padding row
+        for d in range(tid, Dc, cuda.blockDim.x):
+            out[b, i, h, d] = 0.0
+        if tid == 0:
+            lse[b, i, h] = NEG_INF
+        return
     P = min(max(prefix_lens[b], 0), capacity)
     end = min(P + n, capacity)
     per = prefix_split_slots(P)
-    splits = (end + per - 1) // per
-    for d in range(cuda.threadIdx.x, Dc, cuda.blockDim.x):
-        if i >= n:                              # padding row
-            value = float32(0.0)
-            row_lse = NEG_INF
-        else:
-            value, row_lse = _merge_partials(part_out, part_lse, splits, b, row, d)
-        out[b, i, h, d] = value
-        if d == 0:
-            lse[b, i, h] = row_lse
+    splits = min((end + per - 1) // per, MAX_PREFIX_SPLITS)
+    M = NEG_INF                                 # every thread: the largest split lse
+    for s in range(splits):
+        M = max(M, part_lse[s, b, row])
+    if tid < splits:
+        weight[tid] = math.exp(part_lse[tid, b, row] - M) if M > NEG_INF else float32(0.0)
+    cuda.syncthreads()                          # the weights are written
+    total = float32(0.0)
+    for s in range(splits):                     # the same order in every thread
+        total += weight[s]
+    for d in range(tid, Dc, cuda.blockDim.x):
+        value = float32(0.0)
+        for s in range(splits):
+            value += weight[s] * part_out[s, b, row, d]
+        out[b, i, h, d] = value / total if total > 0 else float32(0.0)
+    if tid == 0:
+        lse[b, i, h] = M + math.log(total) if total > 0 else NEG_INF
 
 
 @cuda.jit
