@@ -68,24 +68,25 @@ def _pack(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return lo.astype(np.uint32) | (hi.astype(np.uint32) << np.uint32(16))
 
 
+def _pack_registers(bits: np.ndarray, element, regs: int) -> np.ndarray:
+    """``uint32[32, regs]``: each lane's registers, ``element(lane, reg, half)`` naming the
+    16-bit pattern of ``bits`` in each half."""
+    out = np.zeros((LANES, regs), np.uint32)
+    for lane in range(LANES):
+        for reg in range(regs):
+            lo, hi = (bits[element(lane, reg, half)] for half in (0, 1))
+            out[lane, reg] = _pack(np.uint16(lo), np.uint16(hi))
+    return out
+
+
 def pack_a(a_bits: np.ndarray) -> np.ndarray:
     """``uint32[32, 4]``: every lane's ``A`` registers from ``A`` as 16-bit patterns [16, 16]."""
-    regs = np.zeros((LANES, 4), np.uint32)
-    for lane in range(LANES):
-        for reg in range(4):
-            lo, hi = (a_bits[a_element(lane, reg, half)] for half in (0, 1))
-            regs[lane, reg] = _pack(np.uint16(lo), np.uint16(hi))
-    return regs
+    return _pack_registers(a_bits, a_element, 4)
 
 
 def pack_b(b_bits: np.ndarray) -> np.ndarray:
     """``uint32[32, 2]``: every lane's ``B`` registers from ``B`` as 16-bit patterns [16, 8]."""
-    regs = np.zeros((LANES, 2), np.uint32)
-    for lane in range(LANES):
-        for reg in range(2):
-            lo, hi = (b_bits[b_element(lane, reg, half)] for half in (0, 1))
-            regs[lane, reg] = _pack(np.uint16(lo), np.uint16(hi))
-    return regs
+    return _pack_registers(b_bits, b_element, 2)
 
 
 def pack_c(c: np.ndarray) -> np.ndarray:
