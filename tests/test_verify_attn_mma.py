@@ -138,6 +138,7 @@ def test_mma_is_the_default_for_16_bit_caches_and_refuses_what_it_cannot_run():
     assert choose_variant(None, "bfloat16", 512, 64) == "mma"
     assert choose_variant(None, "float32", 512, 64) == "tiled"
     assert choose_variant(None, "bfloat16", 8, 4) == "tiled"
+    assert choose_variant(None, "bfloat16", 512, 64, N=1057) == "tiled"   # past its merge
     f32 = (*args[:2], args[2].astype(np.float32), *args[3:])
     with pytest.raises(ValueError, match="variant: 'mma' cannot run: it needs a bfloat16"):
         K.verify_attn(*f32, sm_scale=0.3, variant="mma")

@@ -69,7 +69,7 @@ import numpy as np
 from numba import cuda
 
 from ...arrays import storage_kind
-from ...limits import MAX_DC
+from ...limits import MAX_DC, MAX_NODES
 from ...validation import check_verify_attn
 from .. import tensor_core
 from .._device import (
@@ -97,30 +97,32 @@ def _compute_capability() -> tuple:
     return tuple(cuda.get_current_device().compute_capability)
 
 
-def _mma_unsupported(kind: str, Dc: int, Dr: int):
+def _mma_unsupported(kind: str, Dc: int, Dr: int, N: int = 1):
     """Why the mma variant cannot run here (None when it can)."""
     if SIMULATOR:
         return "the CUDA simulator cannot link the tensor-core wrappers"
     if not mma.supported(kind, Dc, Dr):
         return (f"it needs a bfloat16 or float16 cache with Dc and Dr multiples of 16, got a "
                 f"{kind} cache with Dc = {Dc}, Dr = {Dr}")
+    if N > MAX_NODES:
+        return f"it handles up to {MAX_NODES} tree slots (its split merge), got N = {N}"
     if _compute_capability() < tensor_core.MIN_CC:
         return (f"it needs compute capability {tensor_core.MIN_CC[0]}.{tensor_core.MIN_CC[1]} "
                 f"or newer, this GPU has {'.'.join(map(str, _compute_capability()))}")
     return None
 
 
-def choose_variant(variant, kind: str, Dc: int, Dr: int) -> str:
+def choose_variant(variant, kind: str, Dc: int, Dr: int, N: int = 1) -> str:
     """The variant to launch: ``"mma"`` for 16-bit caches on GPUs with bf16 ``mma.sync``,
     ``"tiled"`` on other GPUs and caches, ``"readable"`` on the simulator."""
     if variant is None:
         if SIMULATOR:
             return "readable"
-        return "tiled" if _mma_unsupported(kind, Dc, Dr) else "mma"
+        return "tiled" if _mma_unsupported(kind, Dc, Dr, N) else "mma"
     if variant not in VARIANTS:
         raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
     if variant == "mma":
-        why = _mma_unsupported(kind, Dc, Dr)
+        why = _mma_unsupported(kind, Dc, Dr, N)
         if why:
             raise ValueError(f"variant: 'mma' cannot run: {why}")
         return variant
@@ -182,7 +184,7 @@ def verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visibility
     if sz.Dc > MAX_DC:
         raise ValueError(f"q_latent: expected Dc <= {MAX_DC}, got Dc = {sz.Dc}")
     kind = storage_kind(kv_cache)
-    variant = choose_variant(variant, kind, sz.Dc, sz.Dr)
+    variant = choose_variant(variant, kind, sz.Dc, sz.Dr, sz.N)
     if SIMULATOR and kind == "bfloat16":        # no bf16 on the simulator: widen exactly
         kv_cache = np.asarray(kv_cache).astype(np.float32)
         kind = "float32"

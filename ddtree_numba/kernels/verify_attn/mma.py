@@ -10,7 +10,7 @@ Launch: grid ``(splits, ceil(N H / 16), bs)``, 128 threads = 4 warps. A block ow
 query rows of one request (``row = i H + h``: heads of one node, or of neighbouring nodes,
 share the block) and one split of its slots (``splits.prefix_split_slots``: the split size
 depends only on the request's own prefix length, so a row's result never depends on what
-else shares the launch or on the GPU). All 16 rows read the same 576-wide cache rows.
+else shares the launch or on the GPU's SM count). All 16 rows read the same 576-wide cache rows.
 
 Per tile of ``BN = 16`` slots (the cache rows arrive by ``cp.async`` into one of two shared
 buffers while the tile before is being computed: a two-stage pipeline):
@@ -64,8 +64,8 @@ Resources (``python -m ddtree_numba build-report``): launch bounds of 3 blocks p
 registers at 168, without spills on sm_90 and sm_120; 41 472 bytes of static shared memory
 (two tiles of 18.7 KB, 4 KB of partial scores). The SASS of the tile loop holds the 34 HMMA and
 17 LDSM, no CALL (the few CALLs of the kernel are outside the tile loop: the float32 division
-slow path of ``1 / l`` after it, and on sm_120 one 64-bit division before it) and no local
-memory.
+slow path of ``1 / l`` after it, and on sm_120 a 64-bit division and remainder before it) and
+no local memory.
 
 Precision: the cache is already 16-bit; the query rows are rounded to the cache's type when
 loaded, and the probabilities when packed for ``P V`` (as FlashAttention and FlashMLA do);
@@ -88,7 +88,8 @@ from .splits import prefix_split_slots
 
 MMA_THREADS = 128   # 4 warps
 WARPS = MMA_THREADS // 32
-BLOCKS_PER_SM = 3   # launch bounds: at most 168 registers, so 3 blocks (12 warps) fit an SM
+BLOCKS_PER_SM = 3   # launch bounds: at most 168 registers, so 3 blocks (12 warps) fit an sm_90
+                    # SM (on sm_120 shared memory allows 2 whatever the registers)
 BM = 16             # query rows per block: the M of one mma
 BN = 16             # slots per staged tile: the N of two score mma, the K of the P V mma
 PARTIALS = WARPS * 32 * 2   # float32x4 partial scores: per warp, per lane, left and right
@@ -209,7 +210,8 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int):
     @cuda.jit(launch_bounds=(MMA_THREADS, BLOCKS_PER_SM))
     def mma_kernel(q_latent, q_rope, cache, block_table, prefix_lens, bits, num_nodes, sm_scale,
                    part_out, part_lse, cache_flat):
-        kv = cuda.shared.array(KV_VALUES, uint16)                # two staged tiles
+        kv = cuda.shared.array(KV_VALUES, uint16, alignment=16)  # two staged tiles (16 B:
+        #                                                          cp.async and ldmatrix rows)
         partial = cuda.shared.array(PARTIALS, F32X4, alignment=16)   # [warp, lane, half]
         tid = cuda.threadIdx.x
         warp = tid // 32

@@ -99,7 +99,8 @@ def _prefix_split_slots(P):
     """Slots per split of a request whose prefix is ``P`` slots long: ``ceil(P / 8)`` rounded
     up to a multiple of 128, at least 128. It depends on ``P`` alone, so the split boundaries
     of a row (and so its result, to the bit) do not depend on the batch, the tree size or the
-    GPU; the tree slots ``[P, P + n)`` go to the last split or two."""
+    GPU's SM count (the machine code, and so the bits, still differ between architectures);
+    the tree slots ``[P, P + n)`` fill the last ``ceil(n / per) + 1`` splits at most."""
     per = (P + PREFIX_SPLITS - 1) // PREFIX_SPLITS
     per = (per + SPLIT_GRANULE - 1) // SPLIT_GRANULE * SPLIT_GRANULE
     return max(per, SPLIT_GRANULE)
@@ -145,7 +146,8 @@ def _merge_prefix_kernel(part_out, part_lse, prefix_lens, num_nodes, capacity, o
     prefix_split_slots(P))`` splits (``end = min(P + n, capacity)``, ``P`` and ``n`` clamped
     as the kernel clamps them); blocks of later splits wrote nothing.
 
-    The split weights ``exp(lse_s - lse)`` of the row are computed once, by the first
+    The split weights ``exp(lse_s - M)`` (``M`` the largest ``lse_s``; normalised by their
+    sum afterwards) of the row are computed once, by the first
     ``splits`` threads, into shared memory (one barrier); then each thread sums its columns
     over the splits in split order."""
     weight = cuda.shared.array(MAX_PREFIX_SPLITS, float32)
@@ -167,7 +169,9 @@ def _merge_prefix_kernel(part_out, part_lse, prefix_lens, num_nodes, capacity, o
     P = min(max(prefix_lens[b], 0), capacity)
     end = min(P + n, capacity)
     per = prefix_split_slots(P)
-    splits = min((end + per - 1) // per, MAX_PREFIX_SPLITS)
+    # the launcher sends only N <= MAX_NODES here (MAX_PREFIX_SPLITS covers it); the bound
+    # keeps any other call inside the workspace and the weight array
+    splits = min((end + per - 1) // per, MAX_PREFIX_SPLITS, part_lse.shape[0])
     M = NEG_INF                                 # every thread: the largest split lse
     for s in range(splits):
         M = max(M, part_lse[s, b, row])
