@@ -62,6 +62,17 @@ def make_problem(rng, bs, N, prefix_len, H, dtype):
     return ql, qr, cache, cache_t, table, prefix, tree
 
 
+def additive_masks(tree, bs, N, P) -> list:
+    """Per request, the tree mask over its ``P + N`` slots as ``0`` / ``-inf`` float32 [N, T]
+    (prefix slots visible to every node, tree slot ``P + j`` to the nodes under ``j``)."""
+    masks = []
+    for b in range(bs):
+        vis = ref.unpack_bits(tree.visibility_bits[b], N)             # [N, N]
+        m = np.concatenate([np.ones((N, P), bool), vis], axis=1)
+        masks.append(np.where(m, 0.0, -np.inf).astype(np.float32))
+    return masks
+
+
 def baseline(xp_matmul, ql, qr, rows, mask, sm_scale, N, H):
     """One request: rows [T, 576], mask [N, T] -> out [N, H, 512]."""
     q = xp_matmul.cat_q(ql, qr).reshape(N * H, 576)
@@ -130,11 +141,7 @@ def main(full: bool = False):
             slots = np.arange(T)
             pages = table[:, slots // 64]                               # [bs, T]
             offs = slots % 64
-            masks = []
-            for b in range(bs):
-                vis = ref.unpack_bits(tree.visibility_bits[b], N)         # [N, N]
-                m = np.concatenate([np.ones((N, P), bool), vis], axis=1)
-                masks.append(np.where(m, 0.0, -np.inf).astype(np.float32))
+            masks = additive_masks(tree, bs, N, P)
             cache_f = cache if dtype == "float32" else cp.asarray(cache_t.float())
             rows_c = [cache_f[cp.asarray(pages[b]), cp.asarray(offs)] for b in range(bs)]
             masks_c = [cp.asarray(m) for m in masks]

@@ -23,7 +23,7 @@ import cffi
 import cupy as cp
 import numpy as np
 import torch
-from bench_verify_attn import TorchOps, baseline, make_problem
+from bench_verify_attn import TorchOps, additive_masks, baseline, make_problem
 from harness import Bench, print_table
 from numba import cuda, float32, uint32
 
@@ -96,13 +96,10 @@ def main():
         if N * H * T * 2 <= 2 << 30:
             slots = np.arange(T)
             pages, offs = table[:, slots // 64], slots % 64
-            rows_t, masks_t = [], []
-            for b in range(bs):
-                vis = ref.unpack_bits(tree.visibility_bits[b], N)
-                m = np.concatenate([np.ones((N, P), bool), vis], axis=1)
-                masks_t.append(torch.as_tensor(np.where(m, 0.0, -np.inf)).cuda().bfloat16())
-                rows_t.append(cache_t[torch.as_tensor(pages[b]).cuda(),
-                                      torch.as_tensor(offs).cuda()])
+            masks_t = [torch.as_tensor(m).cuda().bfloat16()
+                       for m in additive_masks(tree, bs, N, P)]
+            rows_t = [cache_t[torch.as_tensor(pages[b]).cuda(), torch.as_tensor(offs).cuda()]
+                      for b in range(bs)]
             qlt, qrt = torch.as_tensor(ql).bfloat16(), torch.as_tensor(qr).bfloat16()
 
             def torch_way():

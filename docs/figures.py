@@ -253,6 +253,17 @@ def _lane_split(lane: int) -> tuple:
     return (lane & 1) | ((lane >> 1) & 2), ((lane >> 1) & 1) | ((lane >> 2) & 6)
 
 
+def _owners(shape, what: str, cells) -> tuple:
+    """``(warp, thread)`` maps of a tile from ``cells`` = ``(row, col, warp, lane)``, asserting
+    that every element has exactly one owning thread."""
+    owner, thread = np.full(shape, -1), np.full(shape, -1)
+    for row, col, w, lane in cells:
+        assert thread[row, col] < 0, f"two threads own one {what}"
+        owner[row, col], thread[row, col] = w, 32 * w + lane
+    assert (thread >= 0).all(), f"an element ({what}) of the tile has no owner"
+    return owner, thread
+
+
 def verify_attn_layout(out: str) -> None:
     """Ownership in one block of the tiled verify_attn kernel, phase by phase, and the lanes."""
     plt = _plt()
@@ -263,17 +274,10 @@ def verify_attn_layout(out: str) -> None:
     a_me, b_me = _lane_split(lane_me)
 
     # 1. scores: warp w, lane (a, b): rows 16 (w // 4) + a + 4 r, slots 32 (w % 4) + b + 8 k
-    s_owner = np.full((BM, BN), -1)
-    s_thread = np.full((BM, BN), -1)
-    for w in range(warps):
-        for lane in range(32):
-            a, b = _lane_split(lane)
-            for r in range(4):
-                for k in range(4):
-                    row, slot = 16 * (w // 4) + a + 4 * r, 32 * (w % 4) + b + 8 * k
-                    assert s_thread[row, slot] < 0, "two threads own one score"
-                    s_owner[row, slot], s_thread[row, slot] = w, 32 * w + lane
-    assert (s_thread >= 0).all(), "a score of the tile has no owner"
+    s_owner, s_thread = _owners((BM, BN), "score", (
+        (16 * (w // 4) + a + 4 * r, 32 * (w % 4) + b + 8 * k, w, lane)
+        for w in range(warps) for lane in range(32) for a, b in [_lane_split(lane)]
+        for r in range(4) for k in range(4)))
     # 2. softmax: warp w owns rows 16 (w // 4) + (w % 4) + 4 r, all BN slots (lane + 32 k)
     m_owner = np.full((BM, BN), -1)
     for w in range(warps):
@@ -285,18 +289,10 @@ def verify_attn_layout(out: str) -> None:
         for k in range(BN // 32):
             m_mine[16 * (w_me // 4) + w_me % 4 + 4 * r, lane_me + 32 * k] = True
     # 3. output: rows of quad 4 (w // 4) + a, columns 4 (32 (w % 4) + b + 8 j) + e
-    o_owner = np.full((BM, cols), -1)
-    o_thread = np.full((BM, cols), -1)
-    for w in range(warps):
-        for lane in range(32):
-            a, b = _lane_split(lane)
-            for r in range(4):
-                for j in range(4):
-                    for e in range(4):
-                        row, col = 16 * (w // 4) + a + 4 * r, 4 * (32 * (w % 4) + b + 8 * j) + e
-                        assert o_thread[row, col] < 0, "two threads own one output"
-                        o_owner[row, col], o_thread[row, col] = w, 32 * w + lane
-    assert (o_thread >= 0).all(), "an output element has no owner"
+    o_owner, o_thread = _owners((BM, cols), "output", (
+        (16 * (w // 4) + a + 4 * r, 4 * (32 * (w % 4) + b + 8 * j) + e, w, lane)
+        for w in range(warps) for lane in range(32) for a, b in [_lane_split(lane)]
+        for r in range(4) for j in range(4) for e in range(4)))
 
     me = 32 * w_me + lane_me
     fig, axes = plt.subplots(3, 1, figsize=(8, 11.5),
