@@ -79,11 +79,6 @@ extern "C" __device__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 
-// Wait until at most one group of this thread is still in flight (the newest).
-extern "C" __device__ void cp_async_wait_one() {
-    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-}
-
 // Wait until every cp.async of this thread has landed.
 extern "C" __device__ void cp_async_wait_all() {
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");

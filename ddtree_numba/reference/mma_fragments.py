@@ -58,11 +58,6 @@ def ldmatrix_element(lane: int, reg: int, half: int, trans: bool = False) -> tup
     return reg, g, 2 * t + half
 
 
-def ldmatrix_row_provider(matrix: int, row: int) -> int:
-    """The lane that gives ``ldmatrix.x4`` the address of ``row`` of ``matrix``."""
-    return 8 * matrix + row
-
-
 def _pack(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """Pack 16-bit patterns in pairs: ``lo`` in the low half of each uint32."""
     return lo.astype(np.uint32) | (hi.astype(np.uint32) << np.uint32(16))
