@@ -1,7 +1,9 @@
 """Benchmark: one greedy DDTree step (``GreedyStep``) on the toy MLA target, eager vs graph.
 
-Per configuration (bs in {1, 8}, budget in {64, 256}; L = 15 as in the DDTree paper, K = 8;
-the GPU toy: 2 layers, 4 heads, Dc 512, Dr 64, hidden 512, vocab 4096):
+Per configuration (cache float32 or bfloat16, bs in {1, 8}, budget in {64, 256}; L = 15 as in
+the DDTree paper, K = 8; the GPU toy: 2 layers, 4 heads, Dc 512, Dr 64, hidden 512, vocab
+4096). A float32 cache runs ``verify_attn``'s tiled variant, a bfloat16 cache the tensor-core
+variant ``mma`` (column ``attention``):
 
 * ``host_us``: wall time of the ``step()`` call on the host (it only enqueues work), median
   over steps; eager launches every kernel from Python, graph mode replays one CUDA graph.
@@ -100,23 +102,27 @@ def stage_times(bench, step) -> dict:
     return times
 
 
-def main(quick: bool = False):
+def main(quick: bool = False, caches=("float32", "bfloat16")):
     bench = Bench("bench_step")
     config = ToyMLAConfig.gpu()
-    model = ToyMLA(config)
     rng = np.random.default_rng(0)
     bs_max = 8
     starts_all = rng.integers(0, config.vocab, bs_max).astype(np.int32)
-    t0 = time.perf_counter()
-    continuation_all = device_greedy(model, starts_all, (STEPS + 3) * (L + 1))
-    print(f"plain greedy continuations (GPU, budget 0): {time.perf_counter() - t0:.1f} s")
-    configs = [(bs, budget) for bs in (1, 8) for budget in (64, 256)]
+    configs = [(cache, bs, budget) for cache in caches for bs in (1, 8)
+               for budget in (64, 256)]
     if quick:
         configs = configs[:1]
-    for bs, budget in configs:
+    continuations = {}
+    for cache, bs, budget in configs:
+        model = ToyMLA(config, cache_dtype=cache)
+        if cache not in continuations:
+            t0 = time.perf_counter()
+            continuations[cache] = device_greedy(model, starts_all, (STEPS + 3) * (L + 1))
+            print(f"plain greedy continuations, {cache} cache (GPU, budget 0): "
+                  f"{time.perf_counter() - t0:.1f} s")
         sizes = DemoSizes(bs=bs, steps=STEPS + 3, L=L, K=TOPK, budget=budget, config=config)
-        starts, continuation = starts_all[:bs], continuation_all[:bs]
-        row = {"bs": bs, "budget": budget, "L": L, "K": TOPK}
+        starts, continuation = starts_all[:bs], continuations[cache][:bs]
+        row = {"cache": cache, "bs": bs, "budget": budget, "L": L, "K": TOPK}
         for mode in ("eager", "graph"):
             step = build_step(model, continuation, sizes, mode=mode, accuracy=0.8, seed=0)
             host_us, device_us = time_steps(step, starts, STEPS)
@@ -125,22 +131,25 @@ def main(quick: bool = False):
             row["mean_accept_len"] = float(accepted)
             if mode == "eager":
                 row["launches"] = count_launches(step)
+                row["attention"] = step.target.variant
             if mode == "graph":
                 # stages replayed on the graph-mode step's buffers (state left after the run)
                 for name, us in stage_times(bench, step).items():
                     row[f"{name}_us"] = us
         bench.add(**row)
         bench.write_csv()                       # incrementally: a timeout keeps what was done
-        print_table([row], list(row), f"bs {bs}, budget {budget}")
-    cols = ["bs", "budget", "launches", "mean_accept_len", "eager_host_us", "eager_device_us",
-            "graph_host_us", "graph_device_us"]
+        print_table([row], list(row), f"{cache} cache, bs {bs}, budget {budget}")
+    cols = ["cache", "attention", "bs", "budget", "launches", "mean_accept_len",
+            "eager_host_us", "eager_device_us", "graph_host_us", "graph_device_us"]
     print_table(bench.rows, cols, f"greedy step on {bench.gpu}, L {L}, K {TOPK} "
                 "(host: enqueue time of step(); device: events around the step)")
     stages = [k for k in bench.rows[0] if k.endswith("_us") and not k.startswith(("eager",
                                                                                   "graph"))]
-    print_table(bench.rows, ["bs", "budget", *stages], "per stage, device us (graph replay)")
+    print_table(bench.rows, ["cache", "bs", "budget", *stages],
+                "per stage, device us (graph replay)")
     print("wrote", bench.write_csv())
 
 
 if __name__ == "__main__":
-    main(quick="--quick" in sys.argv)
+    only = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--cache=")]
+    main(quick="--quick" in sys.argv, caches=only or ("float32", "bfloat16"))

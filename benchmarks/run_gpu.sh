@@ -59,8 +59,10 @@ if [ "$what" = step ] || [ "$what" = all ]; then
         tests/test_toy_mla.py tests/test_ops.py 2>&1 | tee "$OUT/gpu_tests_step.log" | tail -8
     timeout 240 python3 -m ddtree_numba demo --plot "$OUT/demo_tree.png" 2>&1 \
         | tee "$OUT/demo_gpu.log" | tail -12
-    (cd benchmarks && OUT="$OUT" timeout 300 python3 bench_step.py) 2>&1 \
+    (cd benchmarks && OUT="$OUT" timeout 400 python3 bench_step.py) 2>&1 \
         | tee "$OUT/bench_step.log" | tail -20
+    (cd benchmarks && OUT="$OUT" timeout 300 python3 decode_identity.py) 2>&1 \
+        | tee "$OUT/decode_identity.log" | tail -10
 fi
 if [ "$what" = small ]; then
     (cd benchmarks && OUT="$OUT" timeout 240 python3 bench_small_kernels.py) 2>&1 \

@@ -93,7 +93,10 @@ def array_info(name: str, a) -> ArrayInfo:
     cai = getattr(a, "__cuda_array_interface__", None)
     if cai is not None:
         shape = tuple(cai["shape"])
-        dtype = np.dtype(cai["typestr"])
+        # numba and CuPy arrays carry their numpy dtype; the typestr of a bfloat16 array is
+        # "<V2" (raw 2-byte records), which would not say bfloat16
+        dtype = a.dtype if isinstance(getattr(a, "dtype", None), np.dtype) else (
+            np.dtype(cai["typestr"]))
         strides = cai.get("strides")
         contiguous = strides is None or tuple(strides) == _c_strides(shape, dtype.itemsize)
         return ArrayInfo(shape, dtype, True, contiguous)
@@ -147,6 +150,8 @@ def host_values(a) -> np.ndarray:
             return a.view(torch.int16).cpu().numpy().view(BFLOAT16)
         return a.cpu().numpy()
     if hasattr(a, "copy_to_host"):
+        if getattr(a, "dtype", None) == BFLOAT16 and not _is_simulator_array(a):
+            return a.view(np.uint16).copy_to_host().view(BFLOAT16)   # no bf16 buffer protocol
         return a.copy_to_host()
     if hasattr(a, "get"):  # CuPy
         return a.get()

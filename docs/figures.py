@@ -97,7 +97,8 @@ def _table(rows, columns, headers, path, digits=1):
 def _stage_table(rows, stages, path):
     """Per-stage device times, one row per stage and one column per configuration (the
     transpose of the CSV: nine stage columns do not fit the page, four configurations do)."""
-    lines = ["| stage | " + " | ".join(f"bs {r['bs']}, B {r['budget']}" for r in rows) + " |",
+    lines = ["| stage | " + " | ".join(f"{_cache_label(r)}, bs {r['bs']}, B {r['budget']}"
+                                      for r in rows) + " |",
              "|---|" + "---:|" * len(rows)]
     for st in stages:
         lines.append(f"| `{st[:-3]}` | " + " | ".join(f"{float(r[st]):,.1f}" for r in rows)
@@ -105,6 +106,11 @@ def _stage_table(rows, stages, path):
     lines += ["", f"*{rows[0]['gpu']}, {rows[0]['date']}; microseconds.*"]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _cache_label(row) -> str:
+    """``f32`` or ``bf16``: the cache type of a bench_step row."""
+    return "bf16" if row.get("cache") == "bfloat16" else "f32"
 
 
 def performance_figures(out: str) -> None:
@@ -152,8 +158,8 @@ def performance_figures(out: str) -> None:
     rows = _rows("bench_step")
     if rows:
         x = np.arange(len(rows))
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-        labels = [f"bs {r['bs']}\nB {r['budget']}" for r in rows]
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"wspace": 0.3})
+        labels = [f"{_cache_label(r)}\nbs {r['bs']}\nB {r['budget']}" for r in rows]
         for ax, key, title in ((axes[0], "host_us", "host time per step"),
                                (axes[1], "device_us", "device time per step")):
             ax.bar(x - 0.2, [float(r[f"eager_{key}"]) for r in rows], 0.4, label="eager")
@@ -169,9 +175,10 @@ def performance_figures(out: str) -> None:
         plt.close(fig)
         stages = [c for c in rows[0] if c.endswith("_us") and not c.startswith(("eager",
                                                                                "graph"))]
-        _table(rows, ["bs", "budget", "launches", "mean_accept_len", "eager_host_us",
-                      "graph_host_us", "eager_device_us", "graph_device_us"],
-               ["bs", "budget", "launches", "accepted per step", "eager host us",
+        _table(rows, ["cache", "attention", "bs", "budget", "launches", "mean_accept_len",
+                      "eager_host_us", "graph_host_us", "eager_device_us", "graph_device_us"],
+               ["cache", "attention", "bs", "budget", "launches", "accepted per step",
+                "eager host us",
                 "graph host us", "eager device us", "graph device us"],
                os.path.join(out, "perf_step.md"))
         _stage_table(rows, stages, os.path.join(out, "perf_step_stages.md"))

@@ -15,7 +15,7 @@ from ddtree_numba import reference as ref
 from ddtree_numba.interfaces import Drafter, Target
 from ddtree_numba.models.bigram import BigramTarget, noisy_drafter_logits
 from ddtree_numba.models.toy_drafter import FixedDrafter, ToyDrafter
-from ddtree_numba.models.toy_mla import ToyMLA, ToyMLAConfig
+from ddtree_numba.models.toy_mla import CACHE_DTYPES, ToyMLA, ToyMLAConfig
 from ddtree_numba.models.toy_mla_device import DeviceToyMLA
 from ddtree_numba.step.demo import DemoSizes, build_step, checked_run, run_demo
 
@@ -66,8 +66,9 @@ def test_models_implement_the_step_interfaces():
 
 # -- GreedyStep ------------------------------------------------------------------------------
 
-def setup(config, *, bs, steps, L, k, budget, accuracy, seed, mode="eager"):
-    model = ToyMLA(config)
+def setup(config, *, bs, steps, L, k, budget, accuracy, seed, mode="eager",
+          cache_dtype="float32"):
+    model = ToyMLA(config, cache_dtype=cache_dtype)
     starts = np.random.default_rng(seed).integers(0, config.vocab, bs).astype(np.int32)
     length = steps * (min(L, budget) + 1)
     greedy = np.array([model.greedy(int(s), length) for s in starts], np.int32)
@@ -220,6 +221,42 @@ def test_gpu_lossless_and_graph_equals_eager(budget, bs):
     assert eager[0] == graph[0]
     np.testing.assert_array_equal(eager[1], graph[1])
     np.testing.assert_array_equal(eager[3], graph[3])
+
+
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float16"])
+def test_16_bit_cache_is_lossless(cache_dtype):
+    """The simulator's path for a 16-bit cache (rows rounded when written, widened when read)
+    against the plain greedy decoding of the model with the same cache type."""
+    _, step, starts, greedy = setup(TINY, bs=2, steps=3, L=3, k=2, budget=8, accuracy=0.6,
+                                    seed=5, cache_dtype=cache_dtype)
+    tokens, _ = decode(step, starts)
+    assert step.target.kv_cache.dtype == np.dtype(CACHE_DTYPES[cache_dtype])
+    for b in range(2):
+        assert tokens[b] == greedy[b, : len(tokens[b])].tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("budget, bs", [(16, 1), (64, 8), (256, 2)])
+def test_gpu_16_bit_cache_runs_the_tensor_cores_and_is_lossless(cache_dtype, budget, bs):
+    """With a bfloat16 or float16 cache the toy target's attention is the mma variant. The
+    speculative tokens equal, in eager and graph mode, both the device's own one-token
+    decoding (budget 0: the same kernels, one node per step) and the plain-form reference
+    with the same cache type."""
+    runs = {}
+    for mode, b_ in (("eager", budget), ("graph", budget), ("eager", 0)):
+        _, step, starts, greedy = setup(GPU_TOY, bs=bs, steps=4 if b_ else 20, L=8, k=8,
+                                        budget=b_, accuracy=0.7, seed=budget + bs, mode=mode,
+                                        cache_dtype=cache_dtype)
+        assert step.target.variant == "mma"
+        runs[mode, b_] = decode(step, starts)[0]
+        for b in range(bs):
+            assert runs[mode, b_][b] == greedy[b, : len(runs[mode, b_][b])].tolist(), (mode, b)
+    assert runs["eager", budget] == runs["graph", budget]
+    for b in range(bs):                                  # one-token decoding, same kernels
+        spec, plain = runs["eager", budget][b], runs["eager", 0][b]
+        n = min(len(spec), len(plain))
+        assert spec[:n] == plain[:n]
 
 
 @pytest.mark.gpu

@@ -7,11 +7,15 @@ The twins run on numpy arrays; the kernels on device arrays (the simulator in CI
 bound is 1e-5 relative); integer results (embed, argmax, the drafter's hashing, advance) exactly.
 """
 
+import ml_dtypes
 import numpy as np
 import pytest
 from numba import cuda
 
+from ddtree_numba.arrays import host_values
 from ddtree_numba.contracts import AcceptResult
+from ddtree_numba.kernels import as_device
+from ddtree_numba.kernels._primitives import bfloat16_bits
 from ddtree_numba.models.dense_ops import HostDenseOps, KernelDenseOps, rope_inv_freq
 from ddtree_numba.models.toy_drafter import HostDraftOps, KernelDraftOps
 from ddtree_numba.step.ops import HostStepOps, KernelStepOps
@@ -34,9 +38,10 @@ def run_both(method, *args, outputs):
     host, kernel = BACKENDS[method]
     host_args = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
     getattr(host(), method)(*host_args)
-    dev_args = [cuda.to_device(a) if isinstance(a, np.ndarray) else a for a in args]
+    dev_args = [as_device(a, bf16_as_bits=False) if isinstance(a, np.ndarray) else a
+                for a in args]
     getattr(kernel(), method)(*dev_args)
-    return [(host_args[i], dev_args[i].copy_to_host()) for i in outputs]
+    return [(host_args[i], host_values(dev_args[i])) for i in outputs]
 
 
 def close(want, got, rtol=RTOL):
@@ -171,3 +176,50 @@ def test_advance_appends_tokens_and_moves_the_state():
     np.testing.assert_array_equal(host[1], [7, 9])
     assert host[2][0, 1:4].tolist() == [5, 6, 7] and host[2][1, 3] == 9
     np.testing.assert_array_equal(host[3], [4, 4])
+
+
+@pytest.mark.parametrize("dtype, ulp", [(ml_dtypes.bfloat16, 2.0**-7), (np.float16, 2.0**-10)])
+def test_kv_write_rounds_each_value_once_to_a_16_bit_cache(rng, dtype, ulp):
+    """A bfloat16 or float16 cache gets the float32 row rounded to its type (to nearest): the
+    kernel's row and the twin's differ only where their float32 values straddle a rounding
+    boundary, by at most one unit in the last place of the 16-bit type."""
+    bs, N, Dc, Dr, page = 2, 4, 16, 8, 4
+    kv = rng.standard_normal((bs * N, Dc + Dr)).astype(np.float32)
+    norm = rng.standard_normal(Dc).astype(np.float32)
+    inv = rope_inv_freq(Dr, 10000.0)
+    num_nodes = np.array([4, 3], np.int32)
+    prefix = np.array([1, 5], np.int32)
+    positions = np.array([[1, 2, 2, 3], [5, 6, 7, -1]], np.int32)
+    table = np.array([[3, 0, 1], [2, 4, 5]], np.int32)
+    cache = np.full((6, page, Dc + Dr), 7.0, dtype)
+    [(want, got)] = run_both("kv_write", kv, norm, inv, positions, num_nodes, prefix, table,
+                             cache, 1e-6, outputs=[7])
+    assert got.dtype == dtype
+    want, got = want.astype(np.float64), got.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=ulp, atol=0)
+    assert (got == want).mean() > 0.9                     # almost all round identically
+    assert (got == 7.0).sum() == (want == 7.0).sum()      # the same slots untouched
+
+
+def test_bfloat16_bits_rounds_as_ml_dtypes():
+    """``_primitives.bfloat16_bits``: to nearest, ties to even, overflow to infinity, NaN kept,
+    bit for bit what ``ml_dtypes.bfloat16`` does."""
+    specials = np.array([0.0, -0.0, 1.0, -1.5, np.inf, -np.inf, np.nan, 3.4e38, -3.4e38,
+                         1e-40, -1e-45, 1.00390625, 1.01171875, 1.0039062, 1.0039063],
+                        np.float32)
+    ties = (np.arange(64, dtype=np.uint32) << 16 | 0x8000).view(np.float32)   # exact halves
+    x = np.concatenate([specials, ties, np.random.default_rng(3).standard_normal(512)
+                        .astype(np.float32) * 10.0 ** np.arange(-8, 8).repeat(32)])
+
+    @cuda.jit
+    def kernel(x, out):
+        i = cuda.grid(1)
+        if i < x.size:
+            out[i] = bfloat16_bits(x[i])
+
+    out = cuda.to_device(np.zeros(x.size, np.uint16))
+    kernel[(x.size + 63) // 64, 64](cuda.to_device(x), out)
+    got, want = out.copy_to_host(), x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    nan = np.isnan(x)
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    assert (got[nan] & 0x7FC0 == 0x7FC0).all()                # a quiet NaN

@@ -72,14 +72,18 @@ _stream_stack: list = []
 def as_device(a, *, bf16_as_bits: bool = True):
     """A numba device array viewing ``a`` (copied to the device if ``a`` is a numpy array).
 
-    A bfloat16 array comes back as a ``uint16`` array of the same shape holding its bits.
+    A bfloat16 array comes back as a ``uint16`` array of the same shape holding its bits, or
+    with ``bf16_as_bits=False`` (numpy input) as a bfloat16 device array (what
+    ``arrays.storage_kind`` reads as a bfloat16 cache; kernels take its ``uint16`` view).
     Which conversion applies is decided by :func:`ddtree_numba.arrays.array_source`.
     """
     source = array_source(a)
     if source == "numpy":
         host = np.ascontiguousarray(a)
-        if host.dtype == BFLOAT16 and bf16_as_bits:
-            host = host.view(np.uint16)
+        if host.dtype == BFLOAT16 and (bf16_as_bits or not SIMULATOR):
+            # numba copies through the buffer protocol, which has no bfloat16: copy the bits
+            bits = cuda.to_device(host.view(np.uint16), stream=launch_stream())
+            return bits if bf16_as_bits else bits.view(BFLOAT16)
         return cuda.to_device(host, stream=launch_stream())
     if source == "torch":
         import torch

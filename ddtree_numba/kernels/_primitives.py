@@ -11,6 +11,10 @@ below every real float's key (it would be the bits ``0xFFFFFFFF``, a NaN) and se
 lane of the warp gets the maximum of the 32 values. The shuffle tree it replaces takes five
 dependent ``shfl.xor`` + ``max`` steps.
 
+*bfloat16 rounding.* ``bfloat16_bits(x)`` rounds a float32 to bfloat16 with integer
+arithmetic on its bits (to nearest, ties to even, as numpy's ``ml_dtypes`` cast), so a kernel
+can store a bfloat16 cache row on the GPU and on the simulator alike.
+
 *Block reductions.* ``make_block_reduce(op)`` builds a tree reduction over the ``T`` threads of
 a block (``T`` a power of two) in a shared array ``red`` of at least ``T`` elements, with any
 binary device function ``op``: ``block_sum`` and ``block_max`` are two of them. Every thread of
@@ -26,7 +30,7 @@ max does not exist there (kernels that need it have a simulator-runnable variant
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, int32, uint32
+from numba import cuda, int32, uint16, uint32
 
 from ._device import SIMULATOR
 
@@ -71,6 +75,21 @@ else:
             return builder.call(asm, args)
 
         return types.uint32(types.uint32), codegen
+
+
+@cuda.jit(device=True, inline=True)
+def bfloat16_bits(x):
+    """The bits of ``x`` (float32) rounded to bfloat16, to nearest, ties to even (what numpy's
+    ``ml_dtypes.bfloat16`` cast and CUDA's ``__float2bfloat16_rn`` do); NaN stays a NaN.
+
+    bfloat16 is the upper half of a float32. Adding ``0x7FFF`` plus the lowest kept bit to the
+    full bits carries into the kept half exactly when the dropped half is above one half of
+    the last kept place, or equal to it with an odd kept half. Overflow rounds to infinity.
+    """
+    bits = float_to_bits(x)
+    if bits & uint32(0x7FFFFFFF) > uint32(0x7F800000):   # NaN: keep it quiet, keep the sign
+        return uint16((bits >> uint32(16)) | uint32(0x0040))
+    return uint16((bits + uint32(0x7FFF) + ((bits >> uint32(16)) & uint32(1))) >> uint32(16))
 
 
 @cuda.jit(device=True, inline=True)

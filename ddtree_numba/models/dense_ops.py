@@ -20,14 +20,16 @@ padding rows included; their results are never read).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 from numba import cuda, float32, float64
+from numba.types import float16
 
-from ..arrays import host_view
+from ..arrays import host_view, storage_kind
 from ..kernels._device import SIMULATOR, launch, launch_stream
-from ..kernels._primitives import block_sum
+from ..kernels._primitives import bfloat16_bits, block_sum
 from ..reference.commit_kv import slot_address
 
 TILE = 16            # linear: a TILE x TILE block computes a TILE x TILE output tile
@@ -100,14 +102,13 @@ def _linear_kernel(x, w, out, residual, has_residual):
 
 
 @cuda.jit(device=True, inline=True)
-def _rotate_pair(src, dst, col, position, inv_freq_p):
+def _rotated_pair(src, col, position, inv_freq_p):
     """RoPE on one pair: dims ``(col, col + 1)`` of the row ``src`` rotated by ``position *
-    inv_freq_p`` into ``dst`` (angle, cos and sin in float64, as the reference)."""
+    inv_freq_p`` (angle, cos and sin in float64, as the reference), returned as two values."""
     angle = float64(position) * inv_freq_p
     cos, sin = float32(math.cos(angle)), float32(math.sin(angle))
     even, odd = src[col], src[col + 1]
-    dst[col] = even * cos - odd * sin
-    dst[col + 1] = even * sin + odd * cos
+    return even * cos - odd * sin, even * sin + odd * cos
 
 
 @cuda.jit
@@ -121,38 +122,65 @@ def _rope_kernel(x, positions, inv_freq):
     row = x[t]
     pairs = inv_freq.shape[0]                       # Dr / 2
     for p in range(cuda.threadIdx.x, x.shape[1] // 2, cuda.blockDim.x):
-        _rotate_pair(row, row, 2 * p, positions[t], inv_freq[p % pairs])
+        row[2 * p], row[2 * p + 1] = _rotated_pair(row, 2 * p, positions[t], inv_freq[p % pairs])
 
 
-@cuda.jit
-def _kv_write_kernel(kv, kv_norm, inv_freq, positions, num_nodes, prefix_lens, block_table,
-                     cache, eps):
-    """Normalise and rotate node ``j``'s new row and store it at slot ``P + j`` of ``cache``.
+#: How a float32 value is stored in a cache of each kind: ``bfloat16`` caches reach the kernel
+#: as ``uint16`` arrays of bits (numba's bfloat16 arithmetic needs sm_80 and has no simulator
+#: twin; the rounding is integer arithmetic, the same on both), ``float16`` by a cast.
+CACHE_KINDS = ("float32", "bfloat16", "float16")
 
-    One block per row ``t = b N + j`` of ``kv [T, Dc + Dr]``: the latent ``kv[t, :Dc]`` gets
-    RMSNorm (block reduction), the rope key ``kv[t, Dc:]`` gets RoPE at ``positions[b, j]``.
-    Slot ``s = P + j`` lives at ``cache[block_table[b, s // page_size], s % page_size]``.
-    """
-    t, tid = cuda.blockIdx.x, cuda.threadIdx.x
-    n_cap = positions.shape[1]
-    b, j = t // n_cap, t % n_cap
-    if j >= num_nodes[b]:
-        return                      # a padding row writes no cache row (uniform per block)
-    red = cuda.shared.array(ROW_THREADS, float32)
-    latent = kv_norm.shape[0]
-    slot = prefix_lens[b] + j
-    page_size = cache.shape[1]
-    dst = cache[block_table[b, slot // page_size], slot % page_size]     # [Dc + Dr] row
-    src = kv[t]
-    partial = float32(0)
-    for col in range(tid, latent, ROW_THREADS):
-        partial += src[col] * src[col]
-    total = block_sum(red, partial, tid, ROW_THREADS)      # every thread gets the block sum
-    inv = float32(1) / math.sqrt(total / float32(latent) + eps)
-    for col in range(tid, latent, ROW_THREADS):
-        dst[col] = src[col] * inv * kv_norm[col]
-    for p in range(tid, inv_freq.shape[0], ROW_THREADS):
-        _rotate_pair(src, dst, latent + 2 * p, positions[b, j], inv_freq[p])
+
+def _make_kv_write_kernel(kind: str):
+    if kind == "bfloat16":
+        stored = bfloat16_bits
+    elif kind == "float16":
+        @cuda.jit(device=True, inline=True)
+        def stored(x):
+            return float16(x)
+    else:
+        @cuda.jit(device=True, inline=True)
+        def stored(x):
+            return x
+
+    @cuda.jit
+    def kv_write_kernel(kv, kv_norm, inv_freq, positions, num_nodes, prefix_lens, block_table,
+                        cache, eps):
+        """Normalise and rotate node ``j``'s new row and store it at slot ``P + j`` of ``cache``.
+
+        One block per row ``t = b N + j`` of ``kv [T, Dc + Dr]``: the latent ``kv[t, :Dc]``
+        gets RMSNorm (block reduction), the rope key ``kv[t, Dc:]`` gets RoPE at
+        ``positions[b, j]``; both are computed in float32 and rounded once, when stored.
+        Slot ``s = P + j`` lives at ``cache[block_table[b, s // page_size], s % page_size]``.
+        """
+        t, tid = cuda.blockIdx.x, cuda.threadIdx.x
+        n_cap = positions.shape[1]
+        b, j = t // n_cap, t % n_cap
+        if j >= num_nodes[b]:
+            return                      # a padding row writes no cache row (uniform per block)
+        red = cuda.shared.array(ROW_THREADS, float32)
+        latent = kv_norm.shape[0]
+        slot = prefix_lens[b] + j
+        page_size = cache.shape[1]
+        dst = cache[block_table[b, slot // page_size], slot % page_size]     # [Dc + Dr] row
+        src = kv[t]
+        partial = float32(0)
+        for col in range(tid, latent, ROW_THREADS):
+            partial += src[col] * src[col]
+        total = block_sum(red, partial, tid, ROW_THREADS)      # every thread gets the block sum
+        inv = float32(1) / math.sqrt(total / float32(latent) + eps)
+        for col in range(tid, latent, ROW_THREADS):
+            dst[col] = stored(src[col] * inv * kv_norm[col])
+        for p in range(tid, inv_freq.shape[0], ROW_THREADS):
+            even, odd = _rotated_pair(src, latent + 2 * p, positions[b, j], inv_freq[p])
+            dst[latent + 2 * p] = stored(even)
+            dst[latent + 2 * p + 1] = stored(odd)
+
+    return kv_write_kernel
+
+
+#: ``kv_write_kernel(kind)``: the cache-row write for one cache kind, compiled once.
+kv_write_kernel = functools.cache(_make_kv_write_kernel)
 
 
 @cuda.jit
@@ -191,7 +219,12 @@ class KernelDenseOps:
 
     def kv_write(self, kv, kv_norm, inv_freq, positions, num_nodes, prefix_lens, block_table,
                  cache, eps):
-        launch(_kv_write_kernel, kv.shape[0], ROW_THREADS, launch_stream())(
+        """Store each node's normalised, rotated row in ``cache`` (float32, bfloat16 or
+        float16), rounded once to the cache's type."""
+        kind = storage_kind(cache)
+        if kind == "bfloat16":
+            cache = cache.view(np.uint16)
+        launch(kv_write_kernel(kind), kv.shape[0], ROW_THREADS, launch_stream())(
             kv, kv_norm, inv_freq, positions, num_nodes, prefix_lens, block_table, cache,
             np.float32(eps))
 
@@ -278,7 +311,10 @@ def build_specs():
         KernelSpec("dense_ops", "linear", _linear_kernel, (f2, f3, f2, f2, types.boolean),
                    TILE * TILE, True),
         KernelSpec("dense_ops", "rope", _rope_kernel, (f2, i1, d1), ROW_THREADS, True),
-        KernelSpec("dense_ops", "kv_write", _kv_write_kernel,
-                   (f2, f1, d1, i2, i1, i1, i2, f3, types.float32), ROW_THREADS, True),
+        *(KernelSpec("dense_ops", f"kv_write {kind}", kv_write_kernel(kind),
+                     (f2, f1, d1, i2, i1, i1, i2, cache[:, :, ::1], types.float32),
+                     ROW_THREADS, True)
+          for kind, cache in (("float32", types.float32), ("bfloat16", types.uint16),
+                              ("float16", types.float16))),
         KernelSpec("dense_ops", "silu_mul", _silu_mul_kernel, (f2, f2), ROW_THREADS, True),
     ]

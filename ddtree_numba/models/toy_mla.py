@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from ..arrays import BFLOAT16
 from ..contracts import DraftTree
 from ..reference.commit_kv import slot_address
 
@@ -128,12 +129,25 @@ def silu(x):
     return x / (1.0 + np.exp(-x))
 
 
-class ToyMLA:
-    """Seeded random weights (float32) and the numpy plain-form forward (float64 math)."""
+CACHE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": BFLOAT16,
+                "float16": np.dtype(np.float16)}
 
-    def __init__(self, config: ToyMLAConfig):
+
+class ToyMLA:
+    """Seeded random weights (float32) and the numpy plain-form forward (float64 math).
+
+    ``cache_dtype`` (``"float32"``, ``"bfloat16"`` or ``"float16"``) is how the cache stores its
+    rows: each new row is computed in float32 and rounded once to it (to nearest even), and
+    attention reads the rounded values, in this forward as in the device forward.
+    """
+
+    def __init__(self, config: ToyMLAConfig, *, cache_dtype: str = "float32"):
         config.validate()
+        if cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"cache_dtype: expected one of {tuple(CACHE_DTYPES)}, got "
+                             f"{cache_dtype!r}")
         self.config = c = config
+        self.cache_dtype = cache_dtype
         self.vocab = c.vocab
         rng = np.random.default_rng(c.seed)
 
@@ -181,7 +195,8 @@ class ToyMLA:
         Returns
         -------
         tuple
-            ``logits`` float64 ``[n, V]`` and the new cache rows ``float32[layers, n, Dc + Dr]``.
+            ``logits`` float64 ``[n, V]`` and the new cache rows ``float32[layers, n, Dc + Dr]``
+            (values of the cache's type: rounded before any token attends to them).
         """
         c = self.config
         H, Dc, dn, Dr = c.heads, c.kv_lora_rank, c.qk_nope_dim, c.qk_rope_dim
@@ -196,6 +211,7 @@ class ToyMLA:
             kv = h @ w.w_kv_a
             new_rows[layer, :, :Dc] = rms_norm(kv[:, :Dc], w.kv_norm)
             new_rows[layer, :, Dc:] = rope(kv[:, Dc:], positions, c.rope_theta)
+            new_rows[layer] = self.rounded_to_cache(new_rows[layer])
             rows = np.concatenate([prefix_rows[layer], new_rows[layer]]).astype(np.float64)
             latent, rope_key = rows[:, :Dc], rows[:, Dc:]                   # [T, Dc], [T, Dr]
             k_nope = latent @ w.w_uk                                        # [H, T, dn]
@@ -212,13 +228,19 @@ class ToyMLA:
             x = x + (silu(gate_up[:, : c.ffn]) * gate_up[:, c.ffn:]) @ w.w_down
         return rms_norm(x, self.final_norm) @ self.lm_head, new_rows
 
+    def rounded_to_cache(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` (float32) rounded to the cache's type, as float32 values."""
+        return rows.astype(CACHE_DTYPES[self.cache_dtype]).astype(np.float32)
+
     # -- the Target interface (numpy: what reference.greedy_step runs) ---------------------
     def allocate(self, *, bs: int, N: int, num_pages: int, page_size: int,
                  max_pages: int) -> None:
-        """A zeroed numpy cache ``float32[layers, num_pages, page_size, Dc + Dr]``."""
+        """A zeroed numpy cache ``[layers, num_pages, page_size, Dc + Dr]`` of the cache
+        type."""
         c = self.config
         self.sizes = (bs, N)
-        self.kv_cache = np.zeros((c.layers, num_pages, page_size, c.row_width), np.float32)
+        self.kv_cache = np.zeros((c.layers, num_pages, page_size, c.row_width),
+                                 CACHE_DTYPES[self.cache_dtype])
 
     def kv_caches(self) -> list:
         """One ``[num_pages, page_size, Dc + Dr]`` cache per layer (views of ``kv_cache``)."""
@@ -238,7 +260,7 @@ class ToyMLA:
         for b in range(bs):
             n, P = int(tree.num_nodes[b]), int(prefix_lens[b])
             pages, offsets = slot_address(block_table[b], page_size, np.arange(P))
-            prefix_rows = self.kv_cache[:, pages, offsets]
+            prefix_rows = self.kv_cache[:, pages, offsets].astype(np.float32)
             node_logits, rows = self.forward_rows(tree.token_ids[b, :n], tree.positions[b, :n],
                                                   tree.visibility[b, :n, :n], prefix_rows)
             where = slot_address(block_table[b], page_size, P + np.arange(n))

@@ -27,20 +27,25 @@ import numpy as np
 from numba import cuda
 
 from .. import kernels as K
+from ..kernels.verify_attn import choose_variant
 from .dense_ops import default_dense_ops, rope_inv_freq
-from .toy_mla import RMS_EPS, ToyMLA
+from .toy_mla import CACHE_DTYPES, RMS_EPS, ToyMLA
 
 
 class DeviceToyMLA:
     """The toy model's absorbed-form forward on static device buffers (a GreedyStep target).
 
     Call :meth:`allocate` once for the step's sizes, then :meth:`forward` per step.
-    ``kv_cache`` is ``float32[layers, num_pages, page_size, Dc + Dr]``.
+    ``kv_cache`` is ``[layers, num_pages, page_size, Dc + Dr]`` of the model's
+    ``cache_dtype``: float32 (``verify_attn``'s tiled variant), or bfloat16 / float16, which
+    on GPUs of compute capability 8.0 and up run the tensor-core variant ``"mma"`` (queries
+    and probabilities rounded to the cache's type, float32 accumulation).
     """
 
     def __init__(self, model: ToyMLA, *, ops=None):
         self.model = model
         self.config = c = model.config
+        self.cache_dtype = CACHE_DTYPES[model.cache_dtype]
         self.ops = ops if ops is not None else default_dense_ops()
         self.vocab = c.vocab
         H, dn, Dr = c.heads, c.qk_nope_dim, c.qk_rope_dim
@@ -77,8 +82,9 @@ class DeviceToyMLA:
             return cuda.device_array(shape, np.float32)
 
         self.sizes = (bs, N)
-        self.kv_cache = cuda.to_device(
-            np.zeros((c.layers, num_pages, page_size, c.row_width), np.float32))
+        self.kv_cache = K.as_device(
+            np.zeros((c.layers, num_pages, page_size, c.row_width), self.cache_dtype),
+            bf16_as_bits=False)
         self.x, self.h = empty(T, c.hidden), empty(T, c.hidden)
         self.q_nope = empty(T, H * c.qk_nope_dim)
         self.q_latent = empty(T, H * c.kv_lora_rank)
@@ -88,8 +94,10 @@ class DeviceToyMLA:
         self.o = empty(T, H * c.v_head_dim)
         self.gate_up, self.act = empty(T, 2 * c.ffn), empty(T, c.ffn)
         self.logits = empty(T, c.vocab)
-        self.workspace = None if K.SIMULATOR else K.allocate_workspace(
-            bs, N, H, c.kv_lora_rank, max_pages * page_size)
+        self.variant = choose_variant(None, self.model.cache_dtype, c.kv_lora_rank,
+                                      c.qk_rope_dim, N)
+        self.workspace = None if self.variant == "readable" else K.allocate_workspace(
+            bs, N, H, c.kv_lora_rank, max_pages * page_size, variant=self.variant)
 
     def kv_caches(self) -> list:
         """One ``[num_pages, page_size, Dc + Dr]`` cache per layer (views of ``kv_cache``)."""
@@ -103,7 +111,7 @@ class DeviceToyMLA:
                       self.q_rope.reshape(bs, N, c.heads, c.qk_rope_dim), self.kv_cache[layer],
                       block_table, prefix_lens, tree.visibility_bits, tree.num_nodes,
                       sm_scale=c.sm_scale, out=(self.o_latent, self.lse),
-                      workspace=self.workspace)
+                      variant=self.variant, workspace=self.workspace)
 
     def forward(self, tree, block_table, prefix_lens):
         """Logits ``float32[bs * N, V]`` at every node; writes each node's row of every layer

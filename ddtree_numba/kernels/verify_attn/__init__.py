@@ -68,7 +68,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from ...arrays import storage_kind
+from ...arrays import host_view, storage_kind
 from ...limits import MAX_DC, MAX_NODES
 from ...validation import check_verify_attn
 from .. import tensor_core
@@ -186,7 +186,7 @@ def verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visibility
     kind = storage_kind(kv_cache)
     variant = choose_variant(variant, kind, sz.Dc, sz.Dr, sz.N)
     if SIMULATOR and kind == "bfloat16":        # no bf16 on the simulator: widen exactly
-        kv_cache = np.asarray(kv_cache).astype(np.float32)
+        kv_cache = host_view(kv_cache).astype(np.float32)
         kind = "float32"
     ql, qr = as_device(q_latent), as_device(q_rope)
     cache = as_device(kv_cache)
