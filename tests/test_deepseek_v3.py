@@ -1,0 +1,209 @@
+"""The DeepSeek-V3 architecture: config reading, checkpoint loading, and the numpy reference
+forward against Hugging Face ``transformers`` (fixtures written by transformers itself:
+``tests/fixture_scripts/make_deepseek_v3_fixture.py``; CI needs neither torch nor transformers).
+"""
+
+import json
+import os
+import struct
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ddtree_numba.models.deepseek_v3 import Checkpoint, DeepseekV3Config
+from ddtree_numba.models.deepseek_v3 import reference as ref
+from ddtree_numba.models.deepseek_v3.checkpoint import dequantize_fp8
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "deepseek_v3_tiny")
+
+#: The architecture fields of DeepSeek-V3's and Kimi-K2's released config.json files.
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc",
+    "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "moe_layer_freq": 1,
+    "first_k_dense_replace": 3, "norm_topk_prob": True, "scoring_func": "sigmoid",
+    "aux_loss_alpha": 0.001, "seq_aux": True, "hidden_act": "silu",
+    "max_position_embeddings": 163840, "initializer_range": 0.02, "rms_norm_eps": 1e-06,
+    "use_cache": True, "pretraining_tp": 1, "tie_word_embeddings": False, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "attention_bias": False, "attention_dropout": 0.0, "ep_size": 1,
+    "num_nextn_predict_layers": 1, "bos_token_id": 0, "eos_token_id": 1,
+    "torch_dtype": "bfloat16", "transformers_version": "4.33.1",
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                            "quant_method": "fp8", "weight_block_size": [128, 128]},
+}
+KIMI_K2 = {**DEEPSEEK_V3, "model_type": "kimi_k2", "vocab_size": 163840,
+           "num_attention_heads": 64, "num_key_value_heads": 64, "n_routed_experts": 384,
+           "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+           "routed_scaling_factor": 2.827, "max_position_embeddings": 131072,
+           "rope_scaling": {**DEEPSEEK_V3["rope_scaling"], "factor": 32.0},
+           "rope_theta": 50000.0}
+
+
+@pytest.mark.parametrize("d, heads, scale", [(DEEPSEEK_V3, 128, 0.1352338),
+                                             (KIMI_K2, 64, 0.1308608)])
+def test_released_configs_read_with_their_softmax_scale(d, heads, scale):
+    c = DeepseekV3Config.from_dict(d)
+    assert c.num_attention_heads == heads and c.row_width == 576 and c.q_lora_rank == 1536
+    # 1/sqrt(192) times (0.1 ln(factor) + 1)^2: DeepSeek-V3's own inference code does the same
+    assert c.sm_scale == pytest.approx(scale, rel=1e-6)
+    assert c.is_moe_layer(c.first_k_dense_replace) and not c.is_moe_layer(0)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"sliding_window": 4096}, "sliding_window: unknown config field"),
+    ({"hidden_act": "gelu"}, "hidden_act: expected 'silu'"),
+    ({"scoring_func": "softmax"}, "scoring_func: expected 'sigmoid'"),
+    ({"num_key_value_heads": 8}, "num_key_value_heads: expected num_attention_heads"),
+    ({"model_type": "llama"}, "model_type: expected one of"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling: expected type 'yarn'"),
+    ({"rope_scaling": {**DEEPSEEK_V3["rope_scaling"], "low_freq_factor": 1}},
+     "rope_scaling.low_freq_factor: unknown"),
+    ({"n_group": 7}, "n_group: expected a divisor"),
+    ({"qk_rope_head_dim": 63}, "qk_rope_head_dim: expected an even width"),
+    ({"num_experts_per_tok": 0}, "num_experts_per_tok: expected 1..n_routed_experts"),
+])
+def test_unknown_fields_and_unsupported_values_are_refused_by_name(change, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        DeepseekV3Config.from_dict({**DEEPSEEK_V3, **change})
+
+
+def test_yarn_frequencies_blend_original_and_interpolated():
+    c = DeepseekV3Config.from_dict(DEEPSEEK_V3)
+    inv_freq, factor = ref.rope_inv_freq(c)
+    plain = 1.0 / 10000 ** (np.arange(0, 64, 2) / 64)
+    assert factor == 1.0                                  # mscale == mscale_all_dim
+    assert np.allclose(inv_freq[:10], plain[:10])         # fast dims: extrapolated (original)
+    assert np.allclose(inv_freq[-8:], plain[-8:] / 40)    # slow dims: interpolated by 40
+    assert (np.diff(inv_freq) < 0).all()
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+
+def write_safetensors(path, tensors: dict):
+    """A safetensors file written by hand (the format: 8-byte header length, JSON, data)."""
+    codes = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16",
+             np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3"}
+    header, blobs, offset = {}, [], 0
+    for name, a in tensors.items():
+        data = np.ascontiguousarray(a).tobytes()
+        header[name] = {"dtype": codes[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def test_sharded_fp8_checkpoint_is_read_lazily_and_dequantised(tmp_path):
+    rng = np.random.default_rng(0)
+    config = {**DEEPSEEK_V3, "num_hidden_layers": 2, "first_k_dense_replace": 1}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    w = rng.standard_normal((200, 300)).astype(ml_dtypes.float8_e4m3fn)
+    scale = rng.uniform(0.5, 2, (2, 3)).astype(np.float32)
+    norm = rng.standard_normal(300).astype(ml_dtypes.bfloat16)
+    write_safetensors(tmp_path / "a.safetensors", {
+        "model.layers.0.self_attn.q_a_proj.weight": w,
+        "model.layers.0.self_attn.q_a_proj.weight_scale_inv": scale})
+    write_safetensors(tmp_path / "b.safetensors", {
+        "model.layers.1.input_layernorm.weight": norm,
+        "model.layers.2.input_layernorm.weight": norm})        # the MTP layer: not listed
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "model.layers.0.self_attn.q_a_proj.weight": "a.safetensors",
+        "model.layers.0.self_attn.q_a_proj.weight_scale_inv": "a.safetensors",
+        "model.layers.1.input_layernorm.weight": "b.safetensors",
+        "model.layers.2.input_layernorm.weight": "b.safetensors"}}))
+    ckpt = Checkpoint(str(tmp_path))
+    assert list(ckpt) == ["model.layers.0.self_attn.q_a_proj.weight",
+                          "model.layers.1.input_layernorm.weight"]
+    assert ckpt._handles == {}                                 # nothing opened yet
+    got = ckpt["model.layers.0.self_attn.q_a_proj.weight"]
+    want = w.astype(np.float32) * np.repeat(np.repeat(scale, 128, 0), 128, 1)[:200, :300]
+    np.testing.assert_array_equal(got, want)
+    assert list(ckpt._handles) == ["a.safetensors"]            # only the shard it needed
+    norm_got = ckpt["model.layers.1.input_layernorm.weight"]
+    assert norm_got.dtype == ml_dtypes.bfloat16 and np.array_equal(norm_got, norm)
+    with pytest.raises(KeyError, match="no such tensor"):
+        ckpt["model.layers.2.input_layernorm.weight"]
+
+
+def test_checkpoint_errors_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="folder: expected a checkpoint folder"):
+        Checkpoint(str(tmp_path / "missing"))
+    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3))
+    with pytest.raises(ValueError, match="holds neither model.safetensors"):
+        Checkpoint(str(tmp_path))
+    bad = {**DEEPSEEK_V3, "quantization_config": {"quant_method": "gptq", "bits": 4}}
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="quantization_config: only DeepSeek's block float8"):
+        Checkpoint(str(tmp_path))
+    with pytest.raises(ValueError, match=r"scale_inv: expected float32\[2, 3\]"):
+        dequantize_fp8(np.zeros((200, 300), np.float32), np.ones((2, 2), np.float32),
+                       (128, 128))
+
+
+# -- the reference forward against transformers ------------------------------------------------
+
+@pytest.mark.parametrize("name", ["q_lora", "no_q_lora"])
+def test_reference_forward_equals_transformers(name):
+    """Logits of two sequences of 12 tokens (causal), float64, against transformers' eager
+    float64 forward of the same checkpoint: MLA with and without the query LoRA, YaRN RoPE
+    (interleaved), the dense first layer, the group-limited sigmoid router, shared experts.
+
+    The bound: transformers keeps four steps in float32 in a float64 model (RMSNorm, the RoPE
+    frequencies with their cos and sin, the router, the attention softmax): the stored logits
+    are 3.8e-6 from float64 at most (|logits| <= 16), layer 0's attention 2.5e-7; with those
+    four steps patched to float64, transformers equals a float64 numpy forward to 2e-14 (checked
+    when the fixtures were made). A wrong rope layout, scale or routing moves logits by O(1).
+    The fixture's seed keeps every routing decision at least 7.8e-3 from a tie."""
+    folder = os.path.join(FIXTURES, name)
+    expected = np.load(os.path.join(folder, "expected.npz"))
+    ckpt = Checkpoint(folder)
+    for b, tokens in enumerate(expected["input_ids"]):
+        logits, _ = ref.forward(ckpt.config, ckpt, tokens, np.arange(len(tokens)))
+        want = expected["logits"][b]
+        np.testing.assert_allclose(logits, want, rtol=0, atol=1e-5)
+        assert (logits.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_reference_with_a_cached_prefix_equals_the_whole_sequence():
+    """Running 12 tokens as 7 cached ones then 5 new ones gives the same logits and rows: the
+    cache rows are all that attention needs of the past."""
+    folder = os.path.join(FIXTURES, "q_lora")
+    ckpt = Checkpoint(folder)
+    tokens = np.load(os.path.join(folder, "expected.npz"))["input_ids"][0]
+    whole, rows = ref.forward(ckpt.config, ckpt, tokens, np.arange(12))
+    _, prefix = ref.forward(ckpt.config, ckpt, tokens[:7], np.arange(7))
+    tail, tail_rows = ref.forward(ckpt.config, ckpt, tokens[7:], np.arange(7, 12),
+                                  prefix_rows=prefix)
+    np.testing.assert_allclose(tail, whole[7:], rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(tail_rows, rows[:, 7:], rtol=1e-12, atol=1e-12)
+
+
+def test_the_transformers_bound_catches_a_wrong_rope_layout(monkeypatch):
+    """The tolerance above is far below what a plausible mistake moves: RoPE on split halves
+    (``rotate_half`` without the interleave) instead of interleaved pairs."""
+    folder = os.path.join(FIXTURES, "q_lora")
+    expected = np.load(os.path.join(folder, "expected.npz"))
+    ckpt = Checkpoint(folder)
+    tokens = expected["input_ids"][0]
+    right = ref.rope
+
+    def halves(x, positions, inv_freq, attention_factor=1.0):
+        half = x.shape[-1] // 2
+        pairs = np.stack([x[..., :half], x[..., half:]], axis=-1).reshape(x.shape)
+        rotated = right(pairs, positions, inv_freq, attention_factor)
+        return np.concatenate([rotated[..., 0::2], rotated[..., 1::2]], axis=-1)
+
+    monkeypatch.setattr(ref, "rope", halves)
+    logits, _ = ref.forward(ckpt.config, ckpt, tokens, np.arange(len(tokens)))
+    assert np.abs(logits - expected["logits"][0]).max() > 1e-2
