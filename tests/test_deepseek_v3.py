@@ -207,3 +207,48 @@ def test_the_transformers_bound_catches_a_wrong_rope_layout(monkeypatch):
     monkeypatch.setattr(ref, "rope", halves)
     logits, _ = ref.forward(ckpt.config, ckpt, tokens, np.arange(len(tokens)))
     assert np.abs(logits - expected["logits"][0]).max() > 1e-2
+
+
+# -- the step on the DeepSeek-V3 target (the simulator's numpy dense layers) --------------------
+
+@pytest.mark.parametrize("name, cache_dtype, budget", [
+    ("q_lora", "float32", 8), ("no_q_lora", "bfloat16", 8), ("q_lora", "float32", 0),
+    ("no_q_lora", "float32", 1)])
+def test_greedy_step_on_the_deepseek_v3_target_is_lossless(name, cache_dtype, budget):
+    """GreedyStep around the absorbed-form target (``kernels.verify_attn`` over the paged
+    latent cache) emits exactly the plain-form reference's greedy decoding of the checkpoint."""
+    from ddtree_numba import GreedyStep
+    from ddtree_numba.interfaces import Target
+    from ddtree_numba.kernels import SIMULATOR
+    from ddtree_numba.models.deepseek_v3.target import DeepseekV3Target, greedy
+    from ddtree_numba.models.toy_drafter import ToyDrafter
+
+    if not SIMULATOR:
+        pytest.skip("the target's dense layers run on the simulator's numpy backend only")
+    ckpt = Checkpoint(os.path.join(FIXTURES, name))
+    c = ckpt.config
+    starts, L, steps = np.array([5, 17], np.int32), 3, 3
+    greedy_tokens = np.array([greedy(c, ckpt, int(s), steps * (L + 1), cache_dtype=cache_dtype)
+                              for s in starts])
+    continuation = np.concatenate([starts[:, None], greedy_tokens], axis=1)
+    target = DeepseekV3Target(c, ckpt, cache_dtype=cache_dtype)
+    assert isinstance(target, Target)
+    step = GreedyStep(target, ToyDrafter(continuation, vocab=c.vocab_size, accuracy=0.6, seed=2),
+                      bs=2, L=L, K=2, budget=budget, max_steps=steps)
+    step.start(starts)
+    for _ in range(steps):
+        step()
+    tokens = step.tokens()
+    for b in range(2):
+        assert len(tokens[b]) >= steps
+        assert tokens[b] == greedy_tokens[b, : len(tokens[b])].tolist()
+
+
+def test_deepseek_v3_target_refuses_bad_arguments():
+    from ddtree_numba.models.deepseek_v3.target import DeepseekV3Target
+
+    ckpt = Checkpoint(os.path.join(FIXTURES, "no_q_lora"))
+    with pytest.raises(TypeError, match="config: expected a DeepseekV3Config"):
+        DeepseekV3Target({"model_type": "deepseek_v3"}, ckpt)
+    with pytest.raises(ValueError, match="cache_dtype: expected one of"):
+        DeepseekV3Target(ckpt.config, ckpt, cache_dtype="int8")

@@ -118,7 +118,7 @@ def deepseek_sm_scale(qk_head_dim: int = 192, rope_factor: float = 40.0,
     """Softmax scale of DeepSeek-V3 / Kimi-K2 with YaRN: ``qk_head_dim ** -0.5 * mscale ** 2``.
 
     ``mscale = 0.1 * mscale_all_dim * ln(rope_factor) + 1`` (DeepSeek-V3: factor 40,
-    mscale_all_dim 1 -> ``sm_scale ~= 0.1335``). The head dimension of the score is the
+    mscale_all_dim 1 -> ``sm_scale ~= 0.1352``). The head dimension of the score is the
     un-absorbed ``qk_nope (128) + qk_rope (64) = 192``, not the 576-wide cache row.
     """
     mscale = 0.1 * mscale_all_dim * np.log(rope_factor) + 1.0 if rope_factor > 1 else 1.0

@@ -16,6 +16,8 @@ import math
 import os
 from dataclasses import dataclass, field, fields
 
+from ...reference.verify_attn import deepseek_sm_scale
+
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 
 #: Fields that do not change the forward of one token sequence, and why.
@@ -108,12 +110,10 @@ class DeepseekV3Config:
     def sm_scale(self) -> float:
         """``mscale^2 / sqrt(dn + Dr)``: with YaRN, the softmax scale grows by the square of
         ``0.1 mscale_all_dim ln(factor) + 1`` (DeepSeek-V3: 1/sqrt(192) x 1.369^2 = 0.1353)."""
-        scale = self.qk_head_dim ** -0.5
         y = self.rope_scaling
-        if y is not None and y.mscale_all_dim:
-            m = yarn_mscale(y.factor, y.mscale_all_dim)
-            scale *= m * m
-        return scale
+        if y is None or not y.mscale_all_dim:
+            return self.qk_head_dim ** -0.5
+        return deepseek_sm_scale(self.qk_head_dim, y.factor, y.mscale_all_dim)
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.n_routed_experts is not None and layer >= self.first_k_dense_replace
