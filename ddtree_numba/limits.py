@@ -42,3 +42,8 @@ MAX_POSITION = 2**31 - 1
 #: :class:`~ddtree_numba.GreedyStep` (2**31: 8 GiB of float32). Larger asks are refused with a
 #: ``ValueError`` naming the argument instead of a ``MemoryError`` deep inside numpy.
 MAX_ELEMENTS = 2**31
+
+#: Largest vocabulary of ``tree_sample`` on the GPU: its block keeps one float32 sum per chunk
+#: of 64 tokens in static shared memory (4096 x 4 bytes); Kimi-K2 has 163 840 tokens,
+#: DeepSeek-V3 129 280.
+MAX_VOCAB = 4096 * 64

@@ -401,6 +401,63 @@ def check_tree_accept(token_ids, next_token, next_sibling, target_predict, *,
     return AcceptSizes(sizes["bs"], sizes["N"])
 
 
+#: How far a row of ``target_probs`` may sum from 1 (float32 sums over a vocabulary of 10^5
+#: values round by ~1e-5; a softmax computed in bf16 by ~1e-3).
+PROB_SUM_TOL = 2e-3
+
+
+def check_tree_sample(token_ids, next_token, next_sibling, target_probs, uniforms,
+                      bonus_uniforms, *, check=None) -> AcceptSizes:
+    """The tree lists as for ``tree_accept``; ``target_probs`` ``float32[bs, N, V]`` whose rows
+    at the tree's nodes are probabilities (no NaN, none negative, sum 1 within
+    :data:`PROB_SUM_TOL`); ``uniforms`` ``float32[bs, N]`` and ``bonus_uniforms`` ``float32[bs]``
+    in ``[0, 1)``."""
+    sz = check_tree_accept(token_ids, next_token, next_sibling, token_ids, check=check)
+    sizes = {"bs": sz.bs, "N": sz.N}
+    infos = [require_array("target_probs", target_probs, (FLOAT32,), ("bs", "N", "V"), sizes),
+             require_array("uniforms", uniforms, (FLOAT32,), ("bs", "N"), sizes),
+             require_array("bonus_uniforms", bonus_uniforms, (FLOAT32,), ("bs",), sizes)]
+    if sizes["V"] < 1:
+        raise ValueError("target_probs: expected a vocabulary of at least 1 token")
+    if _values_wanted(infos, check):
+        for name, u in (("uniforms", uniforms), ("bonus_uniforms", bonus_uniforms)):
+            v = host_values(u)
+            bad = ~((v >= 0) & (v < 1))
+            if bad.any():
+                raise ValueError(f"{name}: expected values in [0, 1), got {float(v[bad][0])} "
+                                 f"at index {_first_index(bad)}")
+        tokens = host_values(token_ids)
+        probs, first = host_values(target_probs), host_values(next_token)
+        sibling = host_values(next_sibling)
+        for b in range(sz.bs):
+            stack, nodes = [0], []
+            while stack:                        # the nodes the walk can reach from the root
+                i = stack.pop()
+                nodes.append(i)
+                child = first[b, i]
+                while child != -1:
+                    stack.append(int(child))
+                    child = sibling[b, child]
+            for i in nodes[1:]:                 # the tokens the walk looks up
+                if not 0 <= tokens[b, i] < sizes["V"]:
+                    raise ValueError(f"token_ids: expected ids in [0, V={sizes['V']}) at the "
+                                     f"tree's nodes, got {int(tokens[b, i])} at index ({b}, {i})")
+            rows = probs[b, nodes]
+            bad = ~(rows >= 0)                  # negative or NaN
+            if bad.any():
+                node, tok = np.argwhere(bad)[0]
+                raise ValueError(f"target_probs: expected probabilities (>= 0, not NaN), got "
+                                 f"{float(rows[node, tok])} at index ({b}, {nodes[node]}, {tok})")
+            sums = rows.astype(np.float64).sum(-1)
+            off = np.abs(sums - 1) > PROB_SUM_TOL
+            if off.any():
+                node = int(np.argmax(off))
+                raise ValueError(f"target_probs: expected each tree node's row to sum to 1 "
+                                 f"(within {PROB_SUM_TOL}), got {sums[node]:.6g} at node "
+                                 f"({b}, {nodes[node]})")
+    return AcceptSizes(sz.bs, sz.N)
+
+
 @dataclass(frozen=True)
 class CommitSizes:
     bs: int

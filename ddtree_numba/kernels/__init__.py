@@ -10,6 +10,7 @@ from .build_tree import allocate_tree, build_tree
 from .commit_kv import commit_kv
 from .draft_topk import draft_topk
 from .tree_accept import allocate_accept, tree_accept
+from .tree_sample import tree_sample
 from .verify_attn import allocate_workspace, verify_attn
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "commit_kv",
     "draft_topk",
     "tree_accept",
+    "tree_sample",
     "use_stream",
     "verify_attn",
 ]

@@ -10,6 +10,7 @@ from .commit_kv import commit_kv
 from .draft_topk import draft_topk, log_softmax_f64
 from .greedy_step import StepOutput, argmax_per_node, greedy_step
 from .tree_accept import tree_accept
+from .tree_sample import tree_sample
 from .verify_attn import deepseek_sm_scale, gather_slots, plain_mla_attention, verify_attn
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "pack_bits",
     "plain_mla_attention",
     "tree_accept",
+    "tree_sample",
     "tree_from_parents",
     "unpack_bits",
     "verify_attn",

@@ -1,0 +1,202 @@
+"""tree_sample (verification under sampling): hand-built cases, SGLang's walk, the sampled
+distribution against the target's (lossless), kernel vs reference bit for bit, bad input."""
+
+import numpy as np
+import pytest
+from cases import random_parents
+
+from ddtree_numba import kernels as K
+from ddtree_numba import reference as ref
+from ddtree_numba.reference.tree_sample import SAMPLE_CHUNK, sample_residual
+
+#           0 (root)
+#         / | \
+#        1  2  3         tokens 1, 2, 3
+#           |
+#           4            token 0
+PARENTS = np.array([[-1, 0, 0, 0, 2]], np.int32)
+TOKENS = np.array([[4, 1, 2, 3, 0]], np.int32)
+V = 5
+
+
+def hand_probs():
+    p = np.full((1, 5, V), 0.2, np.float32)           # uniform after every node
+    p[0, 2] = [0.5, 0.1, 0.1, 0.1, 0.2]               # after node 2: token 0 (node 4) likely
+    return p
+
+
+def sample(tree, probs, uniforms, bonus):
+    return ref.tree_sample(tree.token_ids, tree.next_token, tree.next_sibling, probs,
+                           np.asarray(uniforms, np.float32), np.asarray(bonus, np.float32))
+
+
+@pytest.mark.parametrize("u_root, u_node2, bonus_u, path, tokens", [
+    (0.1, 0.9, 0.5, [0, 1], [1, 2]),        # first child: u < 0.2; bonus uniform over V
+    (0.3, 0.9, 0.5, [0, 2], [2, 3]),        # second child (0.2 <= u < 0.4); node 4 rejected
+    (0.3, 0.2, 0.0, [0, 2, 4], [2, 0, 0]),  # ... and node 4 accepted (u < 0.5): leaf, bonus
+    (0.7, 0.0, 0.5, [0], [4]),              # all children rejected: bonus from {0, 4}
+    (0.7, 0.0, 0.4, [0], [0]),
+])
+def test_hand_built_tree(u_root, u_node2, bonus_u, path, tokens):
+    tree = ref.tree_from_parents(PARENTS, TOKENS)
+    res = sample(tree, hand_probs(), [[u_root, 0.5, u_node2, 0.5, 0.5]], [bonus_u])
+    assert res.accept_nodes[0].tolist() == path + [-1] * (5 - len(path))
+    assert res.accept_tokens[0].tolist() == tokens + [-1] * (5 - len(tokens))
+    assert res.accept_len.tolist() == [len(path) - 1]
+
+
+def test_residual_removes_exactly_the_rejected_children():
+    probs = np.array([0.1, 0.2, 0.3, 0.4], np.float32)
+    # without tokens 2 and 3 the residual is {0: 0.1, 1: 0.2}: token 0 below 1/3, then token 1
+    assert sample_residual(probs, [2, 3], 0.0) == 0
+    assert sample_residual(probs, [2, 3], 0.33) == 0
+    assert sample_residual(probs, [2, 3], 0.34) == 1
+    assert sample_residual(probs, [2, 3], np.nextafter(np.float32(1), 0)) == 1
+    assert sample_residual(np.array([0, 0, 1, 0], np.float32), [], 0.0) == 2   # skips zeros
+    assert sample_residual(np.array([0.5, 0.5], np.float32), [0, 1], 0.7) == 1  # all removed
+
+
+def sglang_walk(token_ids, next_token, next_sibling, probs, uniforms):
+    """SGLang's ``TreeSpeculativeSamplingTargetOnly`` walk at threshold_single = threshold_acc
+    = 1, transcribed from its control flow: (accepted path, last node)."""
+    cur, path = 0, [0]
+    prob_acc, coin = np.float32(0), uniforms[0]
+    index = 0
+    while True:
+        index = next_token[index]
+        accepted = False
+        while index != -1:
+            p = probs[cur, token_ids[index]]
+            prob_acc = np.float32(prob_acc + p)
+            if coin <= prob_acc or p >= 1:
+                prob_acc, coin = np.float32(0), uniforms[index]
+                path.append(int(index))
+                cur, accepted = index, True
+                break
+            index = next_sibling[index]
+        if not accepted:
+            return path
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_walk_equals_sglang_target_only_sampling(seed):
+    """Same lists, same uniforms: the same accepted path as SGLang's kernel (away from the
+    measure-zero boundary where a uniform equals a partial sum exactly)."""
+    rng = np.random.default_rng(seed)
+    parents, tokens = random_parents(rng, 4, 40)
+    tree = ref.tree_from_parents(parents, tokens)
+    probs = rng.dirichlet(np.full(60, 0.3), (4, 40)).astype(np.float32)
+    uniforms = rng.random((4, 40), dtype=np.float32)
+    res = sample(tree, probs, uniforms, rng.random(4, dtype=np.float32))
+    for b in range(4):
+        want = sglang_walk(tree.token_ids[b], tree.next_token[b], tree.next_sibling[b], probs[b],
+                           uniforms[b])
+        assert res.accept_nodes[b, : len(want)].tolist() == want
+        assert res.accept_len[b] == len(want) - 1
+
+
+def test_emitted_tokens_have_the_target_distribution():
+    """Lossless: whatever the tree, the first emitted token is distributed as the target's
+    distribution after the root, and the second as the target's after the first (chi-square
+    bounds at 20 000 draws, a 1e-6 false-alarm rate)."""
+    rng = np.random.default_rng(0)
+    n, V = 20000, 6
+    tree = ref.tree_from_parents(np.array([[-1, 0, 0, 1, 1]], np.int32),
+                                 np.array([[0, 3, 1, 4, 2]], np.int32))
+    probs = rng.dirichlet(np.ones(V), (1, 5)).astype(np.float32)
+    # what comes after the first token t: node 1's row if t = 3, node 2's if t = 1, else the
+    # root is the last accepted node and the second token is the next step's (not tested)
+    first, second = np.zeros(V), {3: np.zeros(V)}
+    uniforms = rng.random((n, 1, 5), dtype=np.float32)
+    bonus = rng.random((n, 1), dtype=np.float32)
+    for d in range(n):
+        res = sample(tree, probs, uniforms[d], bonus[d])
+        t = res.accept_tokens[0, 0]
+        first[t] += 1
+        if t == 3:
+            second[3][res.accept_tokens[0, 1]] += 1
+    for counts, p in ((first, probs[0, 0]), (second[3], probs[0, 1])):
+        expected = counts.sum() * p.astype(np.float64)
+        chi2 = ((counts - expected) ** 2 / expected).sum()
+        assert chi2 < 35.9                     # chi-square, 5 degrees of freedom, p = 1e-6
+
+
+@pytest.mark.parametrize("seed, bs, N, V", [(0, 3, 30, 70), (1, 1, 1, 5), (2, 5, 64, 300),
+                                            (3, 2, 12, 1), (4, 4, 50, 64)])
+def test_kernel_equals_reference_bit_for_bit(seed, bs, N, V):
+    """Random trees (ragged, some with one node), peaked, flat and sparse target rows, uniforms
+    at 0 and just below 1, vocabularies below, at and above one chunk."""
+    rng = np.random.default_rng(seed)
+    parents, tokens = random_parents(rng, bs, N)
+    tokens = np.where(tokens >= 0, tokens % V, -1).astype(np.int32)
+    tree = ref.tree_from_parents(parents, tokens)
+    alpha = rng.choice([0.05, 1.0, 5.0], (bs, N, 1))
+    probs = rng.gamma(np.broadcast_to(alpha, (bs, N, V)))
+    probs[rng.random((bs, N, V)) < 0.3] = 0                   # sparse rows (top-k / top-p)
+    probs[..., 0] += 1e-3
+    probs = (probs / probs.sum(-1, keepdims=True)).astype(np.float32)
+    uniforms = rng.random((bs, N), dtype=np.float32)
+    uniforms[:, ::7] = 0
+    uniforms[:, 3::11] = np.nextafter(np.float32(1), np.float32(0))
+    bonus = rng.random(bs, dtype=np.float32)
+    args = (tree.token_ids, tree.next_token, tree.next_sibling, probs, uniforms, bonus)
+    want = ref.tree_sample(*args)
+    got = K.tree_sample(*args).to_host()
+    for field in ("accept_nodes", "accept_len", "accept_tokens", "bonus_token"):
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+
+
+def test_unchecked_device_inputs_stay_in_bounds():
+    """check=False with links and tokens outside their ranges: an answer, not a crash."""
+    token_ids = np.array([[0, 9999, -5, 2]], np.int32)
+    next_token = np.array([[1, 3, 77, 1]], np.int32)                 # a cycle and a bad link
+    next_sibling = np.array([[-1, 2, 1, -9]], np.int32)
+    probs = np.full((1, 4, 3), 1 / 3, np.float32)
+    res = K.tree_sample(*(K.as_device(a) for a in (token_ids, next_token, next_sibling, probs)),
+                        K.as_device(np.zeros((1, 4), np.float32)),
+                        K.as_device(np.zeros(1, np.float32)), check=False).to_host()
+    assert 0 <= res.accept_len[0] <= 3 and 0 <= res.bonus_token[0] < 3
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"uniforms": np.ones((1, 5), np.float32)}, r"uniforms: expected values in \[0, 1\)"),
+    ({"bonus_uniforms": np.array([-0.1], np.float32)}, r"bonus_uniforms: expected values"),
+    ({"target_probs": "negative"}, r"target_probs: expected probabilities"),
+    ({"target_probs": "nan"}, r"target_probs: expected probabilities"),
+    ({"target_probs": "unnormalised"}, r"target_probs: expected each tree node's row to sum"),
+    ({"target_probs": np.zeros((1, 5, 5), np.float64)}, r"target_probs: expected float32"),
+    ({"uniforms": np.zeros((1, 4), np.float32)}, r"uniforms: expected float32\[bs=1, N=5\]"),
+])
+def test_bad_input_is_refused_by_name(change, message):
+    tree = ref.tree_from_parents(PARENTS, TOKENS)
+    args = {"target_probs": hand_probs(), "uniforms": np.full((1, 5), 0.5, np.float32),
+            "bonus_uniforms": np.array([0.5], np.float32)}
+    for key, value in change.items():
+        if isinstance(value, str):
+            p = hand_probs()
+            p[0, 2, 1] = {"negative": -0.1, "nan": np.nan, "unnormalised": 0.6}[value]
+            value = p
+        args[key] = value
+    before = {k: np.array(v, copy=True) for k, v in args.items()}
+    for fn in (ref.tree_sample, K.tree_sample):
+        with pytest.raises((ValueError, TypeError), match=message):
+            fn(tree.token_ids, tree.next_token, tree.next_sibling, args["target_probs"],
+               args["uniforms"], args["bonus_uniforms"])
+    for k, v in args.items():                                  # nothing the caller owns changed
+        np.testing.assert_array_equal(v, before[k])
+
+
+def test_padding_rows_may_hold_anything():
+    """Rows of nodes the walk cannot reach (padding) are neither checked nor read."""
+    parents = np.array([[-1, 0, -1, -1]], np.int32)
+    tokens = np.array([[1, 2, -1, -1]], np.int32)
+    tree = ref.tree_from_parents(parents, tokens)
+    probs = np.full((1, 4, 4), 0.25, np.float32)
+    probs[0, 2:] = np.nan
+    args = (tree.token_ids, tree.next_token, tree.next_sibling, probs,
+            np.array([[0.1, 0.9, 0.5, 0.5]], np.float32), np.array([0.6], np.float32))
+    want = ref.tree_sample(*args)
+    got = K.tree_sample(*args).to_host()
+    assert want.accept_nodes[0].tolist() == [0, 1, -1, -1]
+    np.testing.assert_array_equal(got.accept_tokens, want.accept_tokens)
+    assert SAMPLE_CHUNK == 64
