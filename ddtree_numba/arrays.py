@@ -29,6 +29,9 @@ FLOAT32 = np.dtype(np.float32)
 FLOAT16 = np.dtype(np.float16)
 BOOL = np.dtype(np.bool_)
 
+#: The element types a KV cache may have, by name (``cache_dtype`` options of the models).
+CACHE_DTYPES = {"float32": FLOAT32, "bfloat16": BFLOAT16, "float16": FLOAT16}
+
 
 @dataclass(frozen=True)
 class ArrayInfo:

@@ -412,14 +412,18 @@ def check_tree_sample(token_ids, next_token, next_sibling, target_probs, uniform
     at the tree's nodes are probabilities (no NaN, none negative, sum 1 within
     :data:`PROB_SUM_TOL`); ``uniforms`` ``float32[bs, N]`` and ``bonus_uniforms`` ``float32[bs]``
     in ``[0, 1)``."""
-    sz = check_tree_accept(token_ids, next_token, next_sibling, token_ids, check=check)
-    sizes = {"bs": sz.bs, "N": sz.N}
-    infos = [require_array("target_probs", target_probs, (FLOAT32,), ("bs", "N", "V"), sizes),
-             require_array("uniforms", uniforms, (FLOAT32,), ("bs", "N"), sizes),
-             require_array("bonus_uniforms", bonus_uniforms, (FLOAT32,), ("bs",), sizes)]
+    sizes: dict = {}
+    infos = [require_array(name, a, (INT32,), ("bs", "N"), sizes) for name, a in
+             (("token_ids", token_ids), ("next_token", next_token),
+              ("next_sibling", next_sibling))]
+    infos += [require_array("target_probs", target_probs, (FLOAT32,), ("bs", "N", "V"), sizes),
+              require_array("uniforms", uniforms, (FLOAT32,), ("bs", "N"), sizes),
+              require_array("bonus_uniforms", bonus_uniforms, (FLOAT32,), ("bs",), sizes)]
     if sizes["V"] < 1:
         raise ValueError("target_probs: expected a vocabulary of at least 1 token")
-    if _values_wanted(infos, check):
+    wanted = _values_wanted(infos, check)        # one decision for all six arrays
+    sz = check_tree_accept(token_ids, next_token, next_sibling, token_ids, check=wanted)
+    if wanted:
         for name, u in (("uniforms", uniforms), ("bonus_uniforms", bonus_uniforms)):
             v = host_values(u)
             bad = ~((v >= 0) & (v < 1))
@@ -442,13 +446,25 @@ def check_tree_sample(token_ids, next_token, next_sibling, target_probs, uniform
                 if not 0 <= tokens[b, i] < sizes["V"]:
                     raise ValueError(f"token_ids: expected ids in [0, V={sizes['V']}) at the "
                                      f"tree's nodes, got {int(tokens[b, i])} at index ({b}, {i})")
-            rows = probs[b, nodes]
-            bad = ~(rows >= 0)                  # negative or NaN
-            if bad.any():
-                node, tok = np.argwhere(bad)[0]
+            for i in nodes:                     # a token twice among siblings would count its
+                child, seen = first[b, i], set()    # probability twice: not lossless
+                while child != -1:
+                    if int(tokens[b, child]) in seen:
+                        raise ValueError(f"token_ids: the children of node ({b}, {i}) repeat "
+                                         f"token {int(tokens[b, child])}; sibling tokens must "
+                                         f"differ")
+                    seen.add(int(tokens[b, child]))
+                    child = sibling[b, child]
+            nodes = sorted(nodes)
+            rows = probs[b, : nodes[-1] + 1] if nodes == list(range(len(nodes))) else (
+                probs[b, nodes])                # a view when the tree is nodes 0..n-1
+            lowest = rows.min(-1)
+            if not (lowest >= 0).all():         # negative or NaN
+                node = int(np.argmax(~(lowest >= 0)))
+                tok = int(np.argmax(~(rows[node] >= 0)))
                 raise ValueError(f"target_probs: expected probabilities (>= 0, not NaN), got "
                                  f"{float(rows[node, tok])} at index ({b}, {nodes[node]}, {tok})")
-            sums = rows.astype(np.float64).sum(-1)
+            sums = rows.sum(-1, dtype=np.float64)
             off = np.abs(sums - 1) > PROB_SUM_TOL
             if off.any():
                 node = int(np.argmax(off))

@@ -75,6 +75,27 @@ def test_unknown_fields_and_unsupported_values_are_refused_by_name(change, messa
         DeepseekV3Config.from_dict({**DEEPSEEK_V3, **change})
 
 
+@pytest.mark.parametrize("field", ["n_group", "n_shared_experts", "q_lora_rank",
+                                   "moe_intermediate_size", "max_position_embeddings"])
+def test_a_missing_field_is_refused_rather_than_defaulted(field):
+    """transformers defaults n_group to 8 and n_shared_experts to 1; a dataclass default
+    would say 1 and 0: neither is assumed."""
+    d = {k: v for k, v in DEEPSEEK_V3.items() if k != field}
+    with pytest.raises(ValueError, match=f"{field}: missing from the config"):
+        DeepseekV3Config.from_dict(d)
+
+
+@pytest.mark.parametrize("rope, message", [
+    ({"factor": 20}, "rope_scaling.factor: expected max_position_embeddings"),
+    ({"mscale": None}, "rope_scaling.mscale: missing while mscale_all_dim is set"),
+])
+def test_yarn_settings_that_implementations_read_differently_are_refused(rope, message):
+    scaling = {**DEEPSEEK_V3["rope_scaling"], **rope}
+    scaling = {k: v for k, v in scaling.items() if v is not None}
+    with pytest.raises(ValueError, match=message):
+        DeepseekV3Config.from_dict({**DEEPSEEK_V3, "rope_scaling": scaling})
+
+
 def test_yarn_frequencies_blend_original_and_interpolated():
     c = DeepseekV3Config.from_dict(DEEPSEEK_V3)
     inv_freq, factor = ref.rope_inv_freq(c)

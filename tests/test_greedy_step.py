@@ -12,10 +12,11 @@ import pytest
 from ddtree_numba import GreedyStep
 from ddtree_numba import kernels as K
 from ddtree_numba import reference as ref
+from ddtree_numba.arrays import CACHE_DTYPES
 from ddtree_numba.interfaces import Drafter, Target
 from ddtree_numba.models.bigram import BigramTarget, noisy_drafter_logits
 from ddtree_numba.models.toy_drafter import FixedDrafter, ToyDrafter
-from ddtree_numba.models.toy_mla import CACHE_DTYPES, ToyMLA, ToyMLAConfig
+from ddtree_numba.models.toy_mla import ToyMLA, ToyMLAConfig
 from ddtree_numba.models.toy_mla_device import DeviceToyMLA
 from ddtree_numba.step.demo import DemoSizes, build_step, checked_run, run_demo
 

@@ -128,7 +128,13 @@ def test_kernel_equals_reference_bit_for_bit(seed, bs, N, V):
     at 0 and just below 1, vocabularies below, at and above one chunk."""
     rng = np.random.default_rng(seed)
     parents, tokens = random_parents(rng, bs, N)
-    tokens = np.where(tokens >= 0, tokens % V, -1).astype(np.int32)
+    if V == 1:                                      # one token: only a chain has no repeats
+        parents[:, 1:] = np.where(parents[:, 1:] >= 0, np.arange(N - 1), -1)
+    for b in range(bs):                             # distinct tokens among siblings
+        for i in range(N):
+            kids = np.nonzero(parents[b] == i)[0]
+            tokens[b, kids] = (rng.permutation(V)[: len(kids)] if len(kids) <= V
+                               else np.arange(len(kids)) % V)
     tree = ref.tree_from_parents(parents, tokens)
     alpha = rng.choice([0.05, 1.0, 5.0], (bs, N, 1))
     probs = rng.gamma(np.broadcast_to(alpha, (bs, N, V)))
@@ -200,3 +206,35 @@ def test_padding_rows_may_hold_anything():
     assert want.accept_nodes[0].tolist() == [0, 1, -1, -1]
     np.testing.assert_array_equal(got.accept_tokens, want.accept_tokens)
     assert SAMPLE_CHUNK == 64
+
+
+def test_repeated_sibling_tokens_are_refused():
+    """Two children with one token would count its probability twice (not lossless)."""
+    tree = ref.tree_from_parents(np.array([[-1, 0, 0]], np.int32),
+                                 np.array([[5, 1, 1]], np.int32))
+    with pytest.raises(ValueError, match="token_ids: the children of node .0, 0. repeat token 1"):
+        ref.tree_sample(tree.token_ids, tree.next_token, tree.next_sibling,
+                        np.full((1, 3, 2), 0.5, np.float32), np.zeros((1, 3), np.float32),
+                        np.zeros(1, np.float32))
+
+
+def test_device_lists_with_host_probabilities_are_not_walked_unchecked():
+    """Default checks run only when every input is on the host: with the lists on the device
+    nothing walks them on the host (a cycle there must not hang validation)."""
+    tree = ref.tree_from_parents(PARENTS, TOKENS)
+    cyclic = tree.next_sibling.copy()
+    cyclic[0, 1] = 1                                   # node 1 is its own next sibling
+    res = K.tree_sample(K.as_device(tree.token_ids), K.as_device(tree.next_token),
+                        K.as_device(cyclic), hand_probs(), np.full((1, 5), 0.9, np.float32),
+                        np.array([0.5], np.float32)).to_host()
+    assert 0 <= res.bonus_token[0] < V
+
+
+def test_an_out_buffer_of_the_wrong_shape_is_refused():
+    tree = ref.tree_from_parents(PARENTS, TOKENS)
+    out = K.allocate_accept(1, 4)                       # N = 4 where the tree has 5 nodes
+    for fn, last in ((K.tree_sample, (hand_probs(), np.zeros((1, 5), np.float32),
+                                      np.zeros(1, np.float32))),
+                     (K.tree_accept, (np.zeros((1, 5), np.int32),))):
+        with pytest.raises(ValueError, match=r"out.accept_nodes: expected int32\[1, 5\]"):
+            fn(tree.token_ids, tree.next_token, tree.next_sibling, *last, out=out)

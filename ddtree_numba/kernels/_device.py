@@ -72,9 +72,12 @@ _stream_stack: list = []
 def as_device(a, *, bf16_as_bits: bool = True):
     """A numba device array viewing ``a`` (copied to the device if ``a`` is a numpy array).
 
-    A bfloat16 array comes back as a ``uint16`` array of the same shape holding its bits, or
-    with ``bf16_as_bits=False`` (numpy input) as a bfloat16 device array (what
-    ``arrays.storage_kind`` reads as a bfloat16 cache; kernels take its ``uint16`` view).
+    A bfloat16 *numpy* array comes back as a ``uint16`` device array of the same shape holding
+    its bits, or with ``bf16_as_bits=False`` as a bfloat16 device array (what
+    ``arrays.storage_kind`` reads as a bfloat16 cache); a torch bfloat16 tensor as ``uint16``.
+    Other device arrays are viewed as they are (on a GPU a numba bfloat16 array's view has
+    the raw dtype ``V2``): launchers that pass 16-bit values to a kernel take
+    ``.view(np.uint16)`` themselves.
     Which conversion applies is decided by :func:`ddtree_numba.arrays.array_source`.
     """
     source = array_source(a)

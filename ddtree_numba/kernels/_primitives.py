@@ -80,15 +80,16 @@ else:
 @cuda.jit(device=True, inline=True)
 def bfloat16_bits(x):
     """The bits of ``x`` (float32) rounded to bfloat16, to nearest, ties to even (what numpy's
-    ``ml_dtypes.bfloat16`` cast and CUDA's ``__float2bfloat16_rn`` do); NaN stays a NaN.
+    ``ml_dtypes.bfloat16`` cast and CUDA's ``__float2bfloat16_rn`` do); a NaN becomes the
+    quiet NaN ``0x7FC0`` with its sign, as in ml_dtypes.
 
     bfloat16 is the upper half of a float32. Adding ``0x7FFF`` plus the lowest kept bit to the
     full bits carries into the kept half exactly when the dropped half is above one half of
     the last kept place, or equal to it with an odd kept half. Overflow rounds to infinity.
     """
     bits = float_to_bits(x)
-    if bits & uint32(0x7FFFFFFF) > uint32(0x7F800000):   # NaN: keep it quiet, keep the sign
-        return uint16((bits >> uint32(16)) | uint32(0x0040))
+    if bits & uint32(0x7FFFFFFF) > uint32(0x7F800000):   # NaN: the quiet one, sign kept
+        return uint16(((bits >> uint32(16)) & uint32(0x8000)) | uint32(0x7FC0))
     return uint16((bits + uint32(0x7FFF) + ((bits >> uint32(16)) & uint32(1))) >> uint32(16))
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int32
 
+from ..arrays import array_info, describe
 from ..contracts import AcceptResult
 from ..limits import MAX_NODES
 from ..validation import check_tree_accept
@@ -97,6 +98,21 @@ def allocate_accept(bs: int, N: int) -> AcceptResult:
     )
 
 
+def checked_out(out, bs: int, N: int) -> AcceptResult:
+    """``out`` if its four buffers are ``int32`` of the shapes a launch writes (a smaller one
+    would be written out of bounds), else a ``ValueError`` naming the buffer; a new
+    :func:`allocate_accept` when ``out`` is None."""
+    if out is None:
+        return allocate_accept(bs, N)
+    for name, want in (("accept_nodes", (bs, N)), ("accept_len", (bs,)),
+                       ("accept_tokens", (bs, N)), ("bonus_token", (bs,))):
+        info = array_info(f"out.{name}", getattr(out, name))
+        if info.shape != want or info.dtype != np.int32:
+            raise ValueError(f"out.{name}: expected int32{list(want)} (allocate_accept), got "
+                             f"{describe(info)}")
+    return out
+
+
 def tree_accept(token_ids, next_token, next_sibling, target_predict, *, check=None,
                 out=None) -> AcceptResult:
     """Greedy verification of a batch of trees on the GPU (one launch, no sync).
@@ -120,7 +136,7 @@ def tree_accept(token_ids, next_token, next_sibling, target_predict, *, check=No
     if sz.N > MAX_NODES:
         raise ValueError(f"token_ids: expected N <= {MAX_NODES} nodes, got N = {sz.N}")
     args = [as_device(a) for a in (token_ids, next_token, next_sibling, target_predict)]
-    res = allocate_accept(sz.bs, sz.N) if out is None else out
+    res = checked_out(out, sz.bs, sz.N)
     if sz.bs:
         launch(_tree_accept_kernel, sz.bs, ACCEPT_THREADS, launch_stream())(
             *args, res.accept_nodes, res.accept_len, res.accept_tokens, res.bonus_token)

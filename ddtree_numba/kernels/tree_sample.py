@@ -30,7 +30,7 @@ from ..limits import MAX_NODES, MAX_VOCAB
 from ..reference.tree_sample import SAMPLE_CHUNK
 from ..validation import check_tree_sample
 from ._device import SIMULATOR, as_device, launch, launch_stream
-from .tree_accept import allocate_accept
+from .tree_accept import checked_out
 
 SAMPLE_THREADS = 32 if SIMULATOR else 256
 MAX_CHUNKS = MAX_VOCAB // SAMPLE_CHUNK     # 4096 (shared shapes must be plain constants)
@@ -193,7 +193,7 @@ def tree_sample(token_ids, next_token, next_sibling, target_probs, uniforms, bon
         raise ValueError(f"target_probs: expected V <= {MAX_VOCAB}, got V = {V}")
     args = [as_device(a) for a in (token_ids, next_token, next_sibling, target_probs, uniforms,
                                    bonus_uniforms)]
-    res = allocate_accept(sz.bs, sz.N) if out is None else out
+    res = checked_out(out, sz.bs, sz.N)
     if sz.bs:
         launch(_tree_sample_kernel, sz.bs, SAMPLE_THREADS, launch_stream())(
             *args, res.accept_nodes, res.accept_len, res.accept_tokens, res.bonus_token)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..arrays import BFLOAT16
+from ..arrays import CACHE_DTYPES
 from ..contracts import DraftTree
 from ..reference.commit_kv import slot_address
 
@@ -127,10 +127,6 @@ def rope(x, positions, theta: float):
 
 def silu(x):
     return x / (1.0 + np.exp(-x))
-
-
-CACHE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": BFLOAT16,
-                "float16": np.dtype(np.float16)}
 
 
 class ToyMLA:

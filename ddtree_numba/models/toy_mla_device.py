@@ -27,9 +27,10 @@ import numpy as np
 from numba import cuda
 
 from .. import kernels as K
+from ..arrays import CACHE_DTYPES
 from ..kernels.verify_attn import choose_variant
 from .dense_ops import default_dense_ops, rope_inv_freq
-from .toy_mla import CACHE_DTYPES, RMS_EPS, ToyMLA
+from .toy_mla import RMS_EPS, ToyMLA
 
 
 class DeviceToyMLA:

@@ -39,6 +39,16 @@ IGNORED_FIELDS = {
     "rope_scaling": "checked", "rope_parameters": "checked",
 }
 
+#: Fields that may be left out, with the value transformers' DeepseekV3Config gives them. Every
+#: other field must be present: a default that differs between implementations (transformers
+#: defaults n_group to 8, a dataclass would to 1) would silently compute another model.
+OPTIONAL_FIELDS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+
+#: Fields of the MoE layers, required only when ``n_routed_experts`` is set.
+MOE_FIELDS = {"n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
+              "n_shared_experts", "norm_topk_prob", "routed_scaling_factor",
+              "first_k_dense_replace", "moe_intermediate_size"}
+
 #: Fields whose value is fixed: ``name -> (accepted values, what else would mean)``.
 FIXED_VALUES = {
     "hidden_act": (("silu",), "another MLP activation"),
@@ -61,7 +71,7 @@ class YarnScaling:
     original_max_position_embeddings: int
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    mscale: float = 1.0
+    mscale: float | None = None
     mscale_all_dim: float = 0.0
 
 
@@ -72,7 +82,6 @@ class DeepseekV3Config:
     vocab_size: int
     hidden_size: int
     intermediate_size: int            # the dense MLP of the first layers
-    moe_intermediate_size: int        # each expert's MLP
     num_hidden_layers: int
     num_attention_heads: int
     kv_lora_rank: int                 # Dc: the cached latent
@@ -80,6 +89,7 @@ class DeepseekV3Config:
     qk_rope_head_dim: int             # Dr: the cached rope key, shared by heads
     v_head_dim: int                   # dv
     q_lora_rank: int | None = None    # None: the query is one projection of the hidden state
+    moe_intermediate_size: int | None = None     # each expert's MLP
     first_k_dense_replace: int = 0    # layers [0, k) dense MLP, the rest MoE
     n_routed_experts: int | None = None
     num_experts_per_tok: int | None = None
@@ -109,7 +119,7 @@ class DeepseekV3Config:
     @property
     def sm_scale(self) -> float:
         """``mscale^2 / sqrt(dn + Dr)``: with YaRN, the softmax scale grows by the square of
-        ``0.1 mscale_all_dim ln(factor) + 1`` (DeepSeek-V3: 1/sqrt(192) x 1.369^2 = 0.1353)."""
+        ``0.1 mscale_all_dim ln(factor) + 1`` (DeepSeek-V3: 1/sqrt(192) x 1.369^2 = 0.1352)."""
         y = self.rope_scaling
         if y is None or not y.mscale_all_dim:
             return self.qk_head_dim ** -0.5
@@ -150,6 +160,15 @@ class DeepseekV3Config:
         if d.get("num_key_value_heads", heads) != heads:
             raise ValueError(f"num_key_value_heads: expected num_attention_heads = {heads} "
                              f"(MLA), got {d['num_key_value_heads']}")
+        required = known - set(OPTIONAL_FIELDS) - {"model_type"}
+        if d.get("n_routed_experts") is None:       # a dense model: no MoE field needed
+            required -= MOE_FIELDS
+        missing = sorted(k for k in required if k not in d)
+        if "rope_theta" not in d and isinstance(d.get("rope_parameters"), dict):
+            missing = [k for k in missing if k != "rope_theta"]
+        if missing:
+            raise ValueError(f"{missing[0]}: missing from the config (required: implementations "
+                             f"default it differently)")
         values = {k: d[k] for k in known if k in d}
         # transformers 5 writes RoPE as "rope_parameters", rope_theta inside; 4.x "rope_scaling"
         rope = d.get("rope_scaling") or d.get("rope_parameters")
@@ -158,6 +177,15 @@ class DeepseekV3Config:
         values["rope_scaling"] = _rope_scaling(rope)
         config = cls(**values, extra={k: d[k] for k in d if k in IGNORED_FIELDS})
         config.validate()
+        y = config.rope_scaling
+        if y is not None and (y.factor * y.original_max_position_embeddings
+                              != config.max_position_embeddings):
+            raise ValueError(f"rope_scaling.factor: expected max_position_embeddings / "
+                             f"original_max_position_embeddings = "
+                             f"{config.max_position_embeddings}/"
+                             f"{y.original_max_position_embeddings}, got {y.factor} "
+                             f"(transformers rotates with the ratio, DeepSeek's code with "
+                             f"the factor: they would differ)")
         if d.get("qk_head_dim", config.qk_head_dim) != config.qk_head_dim:
             raise ValueError(f"qk_head_dim: expected qk_nope_head_dim + qk_rope_head_dim = "
                              f"{config.qk_head_dim}, got {d['qk_head_dim']}")
@@ -211,6 +239,12 @@ def _rope_scaling(d) -> YarnScaling | None:
     if unknown:
         raise ValueError(f"rope_scaling.{unknown[0]}: unknown YaRN field; refusing rather "
                          f"than ignoring it")
+    for name in ("factor", "original_max_position_embeddings"):
+        if name not in d:
+            raise ValueError(f"rope_scaling.{name}: missing from a YaRN config")
+    if d.get("mscale_all_dim") and "mscale" not in d:
+        raise ValueError("rope_scaling.mscale: missing while mscale_all_dim is set (DeepSeek's "
+                         "code reads it as 1, transformers as absent: say which)")
     return YarnScaling(**{k: d[k] for k in d if k in {f.name for f in fields(YarnScaling)}})
 
 

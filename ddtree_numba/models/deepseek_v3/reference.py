@@ -99,8 +99,12 @@ def silu(x):
 
 
 class Weights:
-    """Float64 views of a name -> array mapping, read once each (``w["...q_a_proj"]`` gives
-    ``model.layers....q_a_proj.weight`` as ``[out, in]`` float64)."""
+    """Float64 copies of a name -> array mapping, each read once and then kept (``w(name)``
+    gives the tensor as float64). Keeping them makes repeated forwards cheap on the small
+    checkpoints the reference is meant for; a model of billions of parameters would need 8
+    bytes each, so a GPU forward of a real checkpoint must not go through this class (the
+    simulator's :class:`~ddtree_numba.models.deepseek_v3.target.DeepseekV3Target`, made for tiny
+    checkpoints, does)."""
 
     def __init__(self, tensors):
         self.tensors, self.cache = tensors, {}

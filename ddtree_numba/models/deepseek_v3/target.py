@@ -30,15 +30,12 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from ...arrays import BFLOAT16, host_view
+from ...arrays import CACHE_DTYPES, host_view
 from ...kernels import SIMULATOR, allocate_workspace, as_device, verify_attn
 from ...kernels.verify_attn import choose_variant
 from ...reference.commit_kv import slot_address
 from . import reference as ref
 from .config import DeepseekV3Config
-
-CACHE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": BFLOAT16,
-                "float16": np.dtype(np.float16)}
 
 
 class DeepseekV3Target:
