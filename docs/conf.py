@@ -47,7 +47,7 @@ napoleon_google_docstring = False
 # the docstrings' own words ("array", "optional", shapes) are not types either.
 nitpick_ignore_regex = [
     ("py:class", r"numpy\..*|numba\..*|array|device array|optional|callable|tuple|dict|"
-                 r"list|str|int|float|bool|object|sequence"),
+                 r"list|str|int|float|bool|object|sequence|mapping"),
 ]
 
 sphinx_gallery_conf = {

@@ -218,7 +218,8 @@ def test_bfloat16_bits_rounds_as_ml_dtypes():
             out[i] = bfloat16_bits(x[i])
 
     payload_nans = np.array([0x7FF92C0B, 0xFFF92C0B, 0x7F800001], np.uint32).view(np.float32)
-    x = np.concatenate([x, payload_nans])
+    with np.errstate(invalid="ignore"):
+        x = np.concatenate([x, payload_nans])
     out = cuda.to_device(np.zeros(x.size, np.uint16))
     kernel[(x.size + 63) // 64, 64](cuda.to_device(x), out)
     with np.errstate(invalid="ignore"):

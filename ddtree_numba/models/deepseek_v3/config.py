@@ -109,7 +109,7 @@ class DeepseekV3Config:
     # -- derived sizes --------------------------------------------------------------------
     @property
     def row_width(self) -> int:
-        """A cache row: ``kv_lora_rank + qk_rope_head_dim`` (576 for V3 and K2)."""
+        """The width of a cache row, ``kv_lora_rank + qk_rope_head_dim`` (576 for V3 and K2)."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property

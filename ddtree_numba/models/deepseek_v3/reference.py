@@ -186,7 +186,7 @@ def forward(config: DeepseekV3Config, tensors, tokens, positions, visible=None,
     Parameters
     ----------
     tensors : mapping
-        Hugging Face tensor name -> array (a :class:`Weights` is made of it).
+        Hugging Face tensor name -> array (wrapped in a ``Weights``).
     tokens, positions : array
         ``int[n]``.
     visible : array, optional
