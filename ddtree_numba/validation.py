@@ -27,6 +27,7 @@ import numpy as np
 
 from .arrays import (
     BFLOAT16,
+    CACHE_DTYPES,
     FLOAT16,
     FLOAT32,
     INT32,
@@ -81,6 +82,13 @@ def require_int(name: str, value, *, low: int | None = None, high: int | None = 
         hi = "inf" if high is None else high
         raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {value}")
     return value
+
+
+def require_cache_dtype(name: str, value) -> np.dtype:
+    """The numpy dtype of a cache type named ``value`` (``arrays.CACHE_DTYPES``)."""
+    if value not in CACHE_DTYPES:
+        raise ValueError(f"{name}: expected one of {tuple(CACHE_DTYPES)}, got {value!r}")
+    return CACHE_DTYPES[value]
 
 
 def _values_wanted(infos, check) -> bool:

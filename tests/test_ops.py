@@ -96,11 +96,15 @@ def test_rope_rotates_pairs_per_head(rng):
     close(np.linalg.norm(x.reshape(4, 3, 4, 2), axis=-1), norms)
 
 
+def kv_write_rows(rng, rows, Dc, Dr):
+    """Random new rows ``[rows, Dc + Dr]``, a latent norm weight and the RoPE frequencies."""
+    return (rng.standard_normal((rows, Dc + Dr)).astype(np.float32),
+            rng.standard_normal(Dc).astype(np.float32), rope_inv_freq(Dr, 10000.0))
+
+
 def test_kv_write_fills_only_valid_nodes_at_their_slots(rng):
     bs, N, Dc, Dr, page = 2, 4, 12, 6, 3
-    kv = rng.standard_normal((bs * N, Dc + Dr)).astype(np.float32)
-    norm = rng.standard_normal(Dc).astype(np.float32)
-    inv = rope_inv_freq(Dr, 10000.0)
+    kv, norm, inv = kv_write_rows(rng, bs * N, Dc, Dr)
     num_nodes = np.array([4, 2], np.int32)
     prefix = np.array([2, 0], np.int32)
     positions = np.array([[2, 3, 3, 4], [0, 1, -1, -1]], np.int32)
@@ -184,9 +188,7 @@ def test_kv_write_rounds_each_value_once_to_a_16_bit_cache(rng, dtype, ulp):
     kernel's row and the twin's differ only where their float32 values straddle a rounding
     boundary, by at most one unit in the last place of the 16-bit type."""
     bs, N, Dc, Dr, page = 2, 4, 16, 8, 4
-    kv = rng.standard_normal((bs * N, Dc + Dr)).astype(np.float32)
-    norm = rng.standard_normal(Dc).astype(np.float32)
-    inv = rope_inv_freq(Dr, 10000.0)
+    kv, norm, inv = kv_write_rows(rng, bs * N, Dc, Dr)
     num_nodes = np.array([4, 3], np.int32)
     prefix = np.array([1, 5], np.int32)
     positions = np.array([[1, 2, 2, 3], [5, 6, 7, -1]], np.int32)

@@ -30,7 +30,7 @@ from numba.types import float16
 from ..arrays import host_view, storage_kind
 from ..kernels._device import SIMULATOR, launch, launch_stream
 from ..kernels._primitives import bfloat16_bits, block_sum
-from ..reference.commit_kv import slot_address
+from ..reference.commit_kv import store_node_rows
 
 TILE = 16            # linear: a TILE x TILE block computes a TILE x TILE output tile
 TILE_PAD = 17        # TILE + 1 (shared-array shapes must be literal constants)
@@ -259,9 +259,7 @@ class HostDenseOps:
 
     def kv_write(self, kv, kv_norm, inv_freq, positions, num_nodes, prefix_lens, block_table,
                  cache, eps):
-        kv, pos, cache = host_view(kv), host_view(positions), host_view(cache)
-        table, latent = host_view(block_table), len(host_view(kv_norm))
-        bs, n_cap = pos.shape
+        kv, pos, latent = host_view(kv), host_view(positions), len(host_view(kv_norm))
         rows = np.empty_like(kv)                                        # [T, Dc + Dr]
         c = kv[:, :latent]
         rows[:, :latent] = c / np.sqrt(np.mean(c * c, axis=1, keepdims=True)
@@ -269,11 +267,8 @@ class HostDenseOps:
         rows[:, latent:] = kv[:, latent:]
         _rotate_host(rows[:, latent:].reshape(len(kv), 1, -1, 2), pos.reshape(-1),
                      host_view(inv_freq))
-        page_size = cache.shape[1]
-        for b in range(bs):
-            n, P = int(host_view(num_nodes)[b]), int(host_view(prefix_lens)[b])
-            slots = P + np.arange(n)
-            cache[slot_address(table[b], page_size, slots)] = rows[b * n_cap:][:n]
+        store_node_rows(host_view(cache), host_view(block_table), host_view(prefix_lens),
+                        host_view(num_nodes), rows)
 
     def silu_mul(self, gate_up, out):
         gu, o = host_view(gate_up), host_view(out)

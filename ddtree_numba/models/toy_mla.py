@@ -37,6 +37,7 @@ import numpy as np
 from ..arrays import CACHE_DTYPES
 from ..contracts import DraftTree
 from ..reference.commit_kv import slot_address
+from ..validation import require_cache_dtype
 
 RMS_EPS = 1e-6
 
@@ -139,9 +140,7 @@ class ToyMLA:
 
     def __init__(self, config: ToyMLAConfig, *, cache_dtype: str = "float32"):
         config.validate()
-        if cache_dtype not in CACHE_DTYPES:
-            raise ValueError(f"cache_dtype: expected one of {tuple(CACHE_DTYPES)}, got "
-                             f"{cache_dtype!r}")
+        require_cache_dtype("cache_dtype", cache_dtype)
         self.config = c = config
         self.cache_dtype = cache_dtype
         self.vocab = c.vocab

@@ -28,6 +28,18 @@ def slot_address(block_table_row, page_size: int, slot):
     return block_table_row[slot // page_size], slot % page_size
 
 
+def store_node_rows(cache, block_table, prefix_lens, num_nodes, rows) -> None:
+    """Numpy, in place: node ``j``'s row ``rows[b N + j]`` at slot ``P + j`` of ``cache``
+    (``[num_pages, page_size, D]``, cast to its type) for the valid nodes of each request;
+    ``rows`` is ``[bs N, D]`` (padding rows are not stored)."""
+    bs = len(num_nodes)
+    N = len(rows) // bs
+    for b in range(bs):
+        n, P = int(num_nodes[b]), int(prefix_lens[b])
+        where = slot_address(block_table[b], cache.shape[1], P + np.arange(n))
+        cache[where] = rows[b * N: b * N + n]
+
+
 def commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len) -> np.ndarray:
     """Move the accepted rows into place in ``kv_cache`` (in place); return new prefix lengths.
 

@@ -62,6 +62,7 @@ class Checkpoint(Mapping):
                             and int((_LAYER.match(n) or [0, 0])[1]) < layers)
         self._listed = set(self.names)
         self._handles = {}
+        self._headers = {}
 
     def __len__(self) -> int:
         return len(self.names)
@@ -84,9 +85,21 @@ class Checkpoint(Mapping):
         scale_name = f"{name}_scale_inv"
         if scale_name not in self.files:
             raise ValueError(f"{name}: a float8 weight without {scale_name}")
-        weight = _read_raw(os.path.join(self.folder, self.files[name]), name)
+        weight = self._read_fp8(self.files[name], name)
         scale = self._handle(self.files[scale_name]).get_tensor(scale_name)
         return dequantize_fp8(weight, scale, self.block)
+
+    def _read_fp8(self, file: str, name: str) -> np.ndarray:
+        """A float8 (e4m3) tensor, memory-mapped (numpy's safetensors API has no float8 type);
+        each shard's header is parsed once."""
+        if file not in self._headers:
+            self._headers[file] = _header(os.path.join(self.folder, file))
+        header, start = self._headers[file]
+        entry = header[name]
+        begin, end = entry["data_offsets"]
+        raw = np.memmap(os.path.join(self.folder, file), np.uint8, mode="r",
+                        offset=start + begin, shape=(end - begin,))
+        return raw.view(ml_dtypes.float8_e4m3fn).reshape(entry["shape"])
 
     def _handle(self, file: str):
         if file not in self._handles:
@@ -133,12 +146,3 @@ def _header(path: str) -> tuple:
 
 def _tensor_names(path: str) -> list:
     return [k for k in _header(path)[0] if k != "__metadata__"]
-
-
-def _read_raw(path: str, name: str) -> np.ndarray:
-    """A float8 (e4m3) tensor, memory-mapped (numpy's safetensors API has no float8 type)."""
-    header, start = _header(path)
-    entry = header[name]
-    begin, end = entry["data_offsets"]
-    raw = np.memmap(path, np.uint8, mode="r", offset=start + begin, shape=(end - begin,))
-    return raw.view(ml_dtypes.float8_e4m3fn).reshape(entry["shape"])

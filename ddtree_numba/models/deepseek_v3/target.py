@@ -33,7 +33,8 @@ from numba import cuda
 from ...arrays import CACHE_DTYPES, host_view
 from ...kernels import SIMULATOR, allocate_workspace, as_device, verify_attn
 from ...kernels.verify_attn import choose_variant
-from ...reference.commit_kv import slot_address
+from ...reference.commit_kv import store_node_rows
+from ...validation import require_cache_dtype
 from . import reference as ref
 from .config import DeepseekV3Config
 
@@ -56,9 +57,7 @@ class DeepseekV3Target:
     def __init__(self, config: DeepseekV3Config, tensors, *, cache_dtype: str = "float32"):
         if not isinstance(config, DeepseekV3Config):
             raise TypeError(f"config: expected a DeepseekV3Config, got {type(config).__name__}")
-        if cache_dtype not in CACHE_DTYPES:
-            raise ValueError(f"cache_dtype: expected one of {tuple(CACHE_DTYPES)}, got "
-                             f"{cache_dtype!r}")
+        require_cache_dtype("cache_dtype", cache_dtype)
         self.config = c = config
         self.cache_dtype = cache_dtype
         self.vocab = c.vocab_size
@@ -114,7 +113,9 @@ class DeepseekV3Target:
             host_view(self.q_latent)[:] = np.einsum(
                 "thd,hdc->thc", q_nope, self.w_uk[layer]).reshape(bs, N, H, -1)
             host_view(self.q_pe)[:] = q_pe.reshape(bs, N, H, -1)
-            self._write_rows(layer, rows, tree, block_table, prefix_lens)
+            store_node_rows(host_view(self.kv_cache)[layer], host_view(block_table),
+                            host_view(prefix_lens), host_view(tree.num_nodes),
+                            rows.astype(np.float32))        # rounded to the cache's type
             verify_attn(self.q_latent, self.q_pe, self.kv_cache[layer], block_table, prefix_lens,
                         tree.visibility_bits, tree.num_nodes, sm_scale=c.sm_scale,
                         out=(self.o_latent, self.lse), variant=self.variant,
@@ -130,29 +131,19 @@ class DeepseekV3Target:
                                                  c.rms_norm_eps) @ w(head).T
         return self.logits
 
-    def _write_rows(self, layer, rows, tree, block_table, prefix_lens):
-        """Node ``j``'s cache row at slot ``P + j`` (valid nodes only), rounded to the cache."""
-        bs, N = self.sizes
-        cache = host_view(self.kv_cache)[layer]
-        table, nodes = host_view(block_table), host_view(tree.num_nodes)
-        prefix = host_view(prefix_lens)
-        for b in range(bs):
-            n, P = int(nodes[b]), int(prefix[b])
-            where = slot_address(table[b], cache.shape[1], P + np.arange(n))
-            cache[where] = rows[b * N:][:n].astype(np.float32)
-
 
 def greedy(config: DeepseekV3Config, tensors, start_token: int, steps: int, *,
            cache_dtype: str = "float32") -> list:
     """Plain greedy decoding with the reference forward, one token per forward, the cache rows
     rounded to ``cache_dtype`` as the target stores them: the ``steps`` tokens after
     ``start_token`` (what a lossless step must emit)."""
+    cache = require_cache_dtype("cache_dtype", cache_dtype)
     w = ref.Weights(tensors)
     rows = np.zeros((config.num_hidden_layers, 0, config.row_width))
     token, out = int(start_token), []
     for position in range(steps):
         logits, new = ref.forward(config, w, [token], [position], prefix_rows=rows)
-        new = new.astype(np.float32).astype(CACHE_DTYPES[cache_dtype]).astype(np.float64)
+        new = new.astype(np.float32).astype(cache).astype(np.float64)
         rows = np.concatenate([rows, new], axis=1)
         token = int(np.argmax(logits[0]))
         out.append(token)
