@@ -14,7 +14,9 @@ side by 1 KiB.
 Per-SM limits: the CUDA C++ Programming Guide, "Technical Specifications per Compute
 Capability", as encoded in NVIDIA CCCL's ``cuda/__device/arch_traits.h``. All four targets have
 64 K 32-bit registers per SM, at most 255 per thread, allocated per warp in units of 256, and a
-48 KiB limit on static shared memory per block (numba has no opt-in for more).
+48 KiB limit on static shared memory per block (numba has no opt-in for more). A kernel that
+launches with dynamic shared memory (``KernelSpec.dynamic_shared``, opted in above 48 KiB by
+``kernels._device.allow_dynamic_shared``) is reported with it added to its static memory.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import multiprocessing
 import os
 import pkgutil
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 STATIC_SMEM_PER_BLOCK = 48 * 1024
 REGISTERS_PER_SM = 64 * 1024
@@ -295,8 +297,13 @@ def report_row(spec, cc) -> dict:
         return {**row, "problems": [f"does not build for sm_{cc[0]}{cc[1]}: {message}"]}
     if spec.cuda_sources:       # tensor-core kernels: HMMA present, no CALL into the wrappers
         row["sass"] = sass_counts(cubin)
+    problems = check_resources(spec, res, limits)   # (the 48 KiB rule: static memory only)
+    if spec.dynamic_shared:     # the launch adds its dynamic shared memory to every block
+        res = replace(res, shared=res.shared + spec.dynamic_shared)
+        if res.shared + limits.reserved_smem_per_block > limits.smem_per_sm:
+            problems.append(f"shared memory {res.shared} B does not fit one SM")
     return {**row, **asdict(res), **occupancy(res, spec.threads, limits),
-            "problems": check_resources(spec, res, limits)}
+            "dynamic_shared": spec.dynamic_shared, "problems": problems}
 
 
 def _report_job(job) -> dict:

@@ -46,7 +46,8 @@ def test_every_kernel_compiles_for_sm120_and_sm90(report_rows):
                       "verify_attn", "dense_ops", "toy_drafter", "step"}
     for row in report_rows:
         assert row["problems"] == [], row
-        assert row["shared"] <= 48 * 1024
+        assert row["shared"] - row["dynamic_shared"] <= 48 * 1024      # static: numba's limit
+        assert row["shared"] <= 99 * 1024                               # sm_120's opt-in limit
         assert row["blocks_per_sm"] >= 1
         if row["fast"]:
             assert row["spill_stores"] == row["spill_loads"] == row["stack"] == 0, row
@@ -55,9 +56,9 @@ def test_every_kernel_compiles_for_sm120_and_sm90(report_rows):
 def test_tensor_core_kernels_link_their_wrappers_away(report_rows):
     """The mma variant links tensor_core.cu by LTO: its SASS holds the products (HMMA) and the
     shared-matrix loads (LDSM), no local memory, and at most 4 CALLs in the whole kernel (the
-    float32 division slow path after the tile loop, and on sm_120 64-bit division helpers
-    before it; which side of the loop they sit on is read from the SASS by hand, see
-    kernels/verify_attn/mma.py). nvdisasm comes from the test extra."""
+    float32 division slow path after the tile loop; which side of the loop a CALL sits on is
+    read from the SASS by hand, see kernels/verify_attn/mma.py). nvdisasm comes from the test
+    extra."""
     rows = [r for r in report_rows if r["variant"].startswith("mma")]
     assert {(r["cc"], r["variant"]) for r in rows} == {
         (cc, f"mma {kind}") for cc in ("12.0", "9.0") for kind in ("bfloat16", "float16")}
@@ -65,7 +66,7 @@ def test_tensor_core_kernels_link_their_wrappers_away(report_rows):
         sass = row["sass"]
         if sass is None:
             pytest.skip("no nvdisasm on this machine")
-        assert sass["HMMA"] == 34 and sass["LDSM"] == 17, row     # one tile, fully unrolled
+        assert sass["HMMA"] == 68 and sass["LDSM"] == 30, row     # one tile, fully unrolled
         assert sass["local"] == 0 and sass["CALL"] <= 4, row
 
 

@@ -7,6 +7,8 @@
   torch) without copying device data; bfloat16 travels as its raw ``uint16`` bits.
 * :func:`launch` configures a launch of the library's kernels without numba's low-occupancy
   warning (small grids are by design here).
+* :func:`allow_dynamic_shared` opts a kernel into more than 48 KB of dynamic shared memory
+  (numba-cuda has no API for it; the driver attribute on the compiled function does it).
 * :func:`launch_stream` gives the stream launches go to (the default stream, or the one a
   caller set with :func:`use_stream`, e.g. a CuPy stream during CUDA-graph capture).
 """
@@ -111,8 +113,10 @@ def launch_stream():
     return _stream_stack[-1] if _stream_stack else 0
 
 
-def launch(kernel, griddim, blockdim, stream=None):
-    """``kernel[griddim, blockdim, stream]`` (``stream`` defaults to :func:`launch_stream`),
+def launch(kernel, griddim, blockdim, stream=None, shared_bytes=0):
+    """``kernel[griddim, blockdim, stream, shared_bytes]`` (``stream`` defaults to
+    :func:`launch_stream`; ``shared_bytes`` of dynamic shared memory, see
+    :func:`allow_dynamic_shared` above 48 KB),
     without numba's ``NumbaPerformanceWarning: Grid size N will likely result in GPU
     under-utilization``: the library's small grids (one block per request, a few per tile) are
     by design, and numba-cuda would warn on every step's launches.
@@ -128,9 +132,44 @@ def launch(kernel, griddim, blockdim, stream=None):
     saved = getattr(config, "CUDA_LOW_OCCUPANCY_WARNINGS", 0)
     config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
     try:
-        return kernel[griddim, blockdim, stream]
+        return kernel[griddim, blockdim, stream, shared_bytes]
     finally:
         config.CUDA_LOW_OCCUPANCY_WARNINGS = saved
+
+
+STATIC_SHARED_LIMIT = 48 * 1024     # what a launch gets without opting in
+_dynamic_shared_allowed: dict = {}  # id(compiled function) -> (function, bytes allowed)
+
+
+def allow_dynamic_shared(kernel, args, nbytes: int) -> None:
+    """Let ``kernel``'s specialisation for ``args`` launch with ``nbytes`` of dynamic shared
+    memory (at most the device's ``MAX_SHARED_MEMORY_PER_BLOCK_OPTIN``: 227 KB on the H200,
+    99 KB on sm_120).
+
+    Above 48 KB a launch must opt in: the driver attribute
+    ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` of the compiled function. numba-cuda
+    does not expose it, so this compiles (or finds) the specialisation the launch will use,
+    ``kernel.compile(argument types)``, and sets the attribute on its handle with
+    ``cuda.bindings.driver.cuKernelSetAttribute`` (numba-cuda sets its shared-memory
+    carve-out the same way). Once per function and size: later calls cost one ``typeof`` of
+    each argument. Call it before a CUDA graph is captured (the step's eager warm-up does).
+    """
+    if nbytes <= STATIC_SHARED_LIMIT or SIMULATOR:
+        return
+    from cuda.bindings import driver
+
+    compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+    function = compiled.library.get_cufunc()
+    known = _dynamic_shared_allowed.get(id(function))
+    if known is not None and known[0] is function and known[1] >= nbytes:
+        return
+    device = cuda.get_current_device()
+    attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    (error,) = driver.cuKernelSetAttribute(attribute, int(nbytes), function.handle, device.id)
+    if error != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"could not allow {nbytes} bytes of dynamic shared memory for "
+                           f"{kernel.__name__} on {device.name}: {error!r}")
+    _dynamic_shared_allowed[id(function)] = (function, int(nbytes))
 
 
 @contextlib.contextmanager

@@ -20,3 +20,4 @@ class KernelSpec:
     threads: int          # threads per block at launch
     fast: bool            # a GPU fast path: no spills and no stack allowed
     cuda_sources: tuple = ()    # CUDA C++ it links (name, text): compiled by NVRTC, LTO
+    dynamic_shared: int = 0     # bytes of dynamic shared memory it launches with

@@ -84,6 +84,21 @@ extern "C" __device__ void cp_async_wait_all() {
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
 
+// Wait until at most `pending` of this thread's most recent groups are still in flight (the
+// older ones have landed). The PTX operand must be an immediate: call it with a constant, and
+// the branches fold away once inlined. pending > 3 waits as for 3 (stricter, still correct).
+extern "C" __device__ void cp_async_wait_pending(u32 pending) {
+    if (pending == 0) {
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    } else if (pending == 1) {
+        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    } else if (pending == 2) {
+        asm volatile("cp.async.wait_group 2;\n" ::: "memory");
+    } else {
+        asm volatile("cp.async.wait_group 3;\n" ::: "memory");
+    }
+}
+
 // Two float32 values rounded to the nearest 16-bit float (ties to even), packed: lo in the
 // low half (the first PTX source operand goes to the upper half).
 extern "C" __device__ u32 pack_bf16x2(float lo, float hi) {

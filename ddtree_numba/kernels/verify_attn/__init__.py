@@ -50,8 +50,9 @@ Three variants, one module each; read them in this order:
   flash-decoding over slot splits.
 * ``mma`` (``ddtree_numba.kernels.verify_attn.mma``; GPU only, compute capability 8.0+,
   bfloat16 / float16 caches with ``Dc``, ``Dr`` multiples of 16; the default where it runs):
-  the products on the tensor cores (``mma.sync`` through ``kernels/tensor_core.cu``), 16 query
-  rows per block, cache tiles staged by ``cp.async`` in a two-stage pipeline. Query rows and
+  the products on the tensor cores (``mma.sync`` through ``kernels/tensor_core.cu``), 32 query
+  rows and 8 warps per block, 32-slot cache tiles staged by ``cp.async`` into dynamic shared
+  memory (91.75 KB, two stages). Query rows and
   probabilities are rounded to the cache's 16-bit type (the tolerance is stated in
   ``tests/test_verify_attn_mma.py``); splits are fixed by each request's own prefix length,
   so a row's bits do not depend on the rest of the launch.
@@ -65,6 +66,8 @@ list of specialisations.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import cuda
 
@@ -74,6 +77,7 @@ from ...validation import check_verify_attn
 from .. import tensor_core
 from .._device import (
     SIMULATOR,
+    allow_dynamic_shared,
     as_device,
     device_empty,
     launch,
@@ -109,7 +113,27 @@ def _mma_unsupported(kind: str, Dc: int, Dr: int, N: int = 1):
     if _compute_capability() < tensor_core.MIN_CC:
         return (f"it needs compute capability {tensor_core.MIN_CC[0]}.{tensor_core.MIN_CC[1]} "
                 f"or newer, this GPU has {'.'.join(map(str, _compute_capability()))}")
+    if _mma_stages(Dc, Dr) < 2:
+        return (f"two staged tiles of {Dc + Dr} values do not fit this GPU's shared memory "
+                f"({mma.shared_layout(Dc, Dr, 2).total} bytes needed)")
     return None
+
+
+MMA_STAGES = 2      # cp.async pipeline depth of the mma variant, where shared memory allows
+
+
+@functools.cache
+def _stages_for(device_id: int, Dc: int, Dr: int) -> int:
+    limit = cuda.get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+    fitting = [s for s in range(2, MMA_STAGES + 1) if mma.shared_layout(Dc, Dr, s).total <= limit]
+    return max(fitting, default=0)
+
+
+def _mma_stages(Dc: int, Dr: int) -> int:
+    """Staged tiles of the mma variant on this GPU: ``MMA_STAGES`` (82.75 KB of shared memory
+    for 576-wide rows, within sm_120's 99 KB and the H200's 227 KB), fewer where it does not
+    fit, 0 where not even two do."""
+    return _stages_for(cuda.get_current_device().id, Dc, Dr)
 
 
 def choose_variant(variant, kind: str, Dc: int, Dr: int, N: int = 1) -> str:
@@ -249,8 +273,12 @@ def _launch_mma(sz, kind, args, cache, workspace, out_latent, lse, stream):
         raise ValueError("kv_cache: the mma variant copies 16-byte chunks: expected a cache "
                          "whose data starts at a multiple of 16 bytes")
     row_tiles = -(-sz.N * sz.H // mma.BM)
-    launch(mma.kernel(kind, sz.Dc, sz.Dr), (n_splits, row_tiles, sz.bs), mma.MMA_THREADS,
-           stream)(*args, part_out, part_lse, cache.reshape(cache.size))
+    stages = _mma_stages(sz.Dc, sz.Dr)
+    kernel = mma.kernel(kind, sz.Dc, sz.Dr, stages)
+    kernel_args = (*args, part_out, part_lse, cache.reshape(cache.size))
+    nbytes = mma.shared_layout(sz.Dc, sz.Dr, stages).total
+    allow_dynamic_shared(kernel, kernel_args, nbytes)
+    launch(kernel, (n_splits, row_tiles, sz.bs), mma.MMA_THREADS, stream, nbytes)(*kernel_args)
     _, _, _, _, prefix, _, nodes, _ = args
     launch(_merge_prefix_kernel, (sz.N * sz.H, sz.bs), 128, stream)(
         part_out, part_lse, prefix, nodes, sz.max_pages * sz.page_size, out_latent, lse)
@@ -287,10 +315,12 @@ def build_specs():
     sources = ((tensor_core.SOURCE_NAME, tensor_core.source()),)
     u16 = types.uint16
     for kind in ("bfloat16", "float16"):     # DeepSeek-V3 / Kimi-K2 rows: Dc 512, Dr 64
-        specs.append(KernelSpec("verify_attn", f"mma {kind}", mma.kernel(kind, 512, 64),
+        specs.append(KernelSpec("verify_attn", f"mma {kind}",
+                                mma.kernel(kind, 512, 64, MMA_STAGES),
                                 (f4, f4, u16[:, :, ::1], i2, i1, bits, i1, types.float32, f4,
                                  types.float32[:, :, ::1], u16[::1]),
-                                mma.MMA_THREADS, True, sources))
+                                mma.MMA_THREADS, True, sources,
+                                mma.shared_layout(512, 64, MMA_STAGES).total))
     specs.append(KernelSpec("verify_attn", "merge by prefix", _merge_prefix_kernel,
                             (f4, types.float32[:, :, ::1], i1, i1, types.int64, f4,
                              types.float32[:, :, ::1]), 128, True))

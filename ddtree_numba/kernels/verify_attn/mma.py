@@ -6,53 +6,60 @@ The products run on the tensor cores through ``kernels/tensor_core.cu``; everyth
 numba. Read the fragment maps first (``ddtree_numba.reference.mma_fragments``: which lane holds
 which element of A, B and C).
 
-Launch: grid ``(splits, ceil(N H / 16), bs)``, 128 threads = 4 warps. A block owns ``BM = 16``
-query rows of one request (``row = i H + h``: heads of one node, or of neighbouring nodes,
-share the block) and one split of its slots (``splits.prefix_split_slots``: the split size
-depends only on the request's own prefix length, so a row's result never depends on what
-else shares the launch or on the GPU's SM count). All 16 rows read the same 576-wide cache rows.
+Launch: grid ``(splits, ceil(N H / 32), bs)``, 256 threads = 8 warps, ``shared_layout(Dc, Dr,
+stages).total`` bytes of dynamic shared memory (91.75 KB for 576-wide rows and 2 stages: above
+numba's 48 KB of static memory, so the launcher opts in with
+``kernels._device.allow_dynamic_shared``; sm_120 allows 99 KB a block). A block owns ``BM =
+32`` query rows of one request (``row = i H + h``: heads of one node, or of neighbouring
+nodes, share the block) and one split of its slots (``splits.prefix_split_slots``: the split
+size depends only on the request's own prefix length, so a row's result never depends on what
+else shares the launch or on the GPU's SM count). All 32 rows read the same 576-wide rows.
 
-Per tile of ``BN = 16`` slots (the cache rows arrive by ``cp.async`` into one of two shared
-buffers while the tile before is being computed: a two-stage pipeline):
+Per tile of ``BN = 32`` slots (the cache rows arrive by ``cp.async`` into one of ``stages``
+shared buffers while earlier tiles are computed):
 
-1. ``S = Q K^T`` (16 rows x 16 slots over the 576 dims, 36 k-steps of 16). The k-steps are
-   dealt to the warps round-robin (warp ``w`` takes ``w, w + 4, ...``), so each warp holds
-   the A fragments of *its* k-steps of the 16 query rows in registers for the whole split
-   (9 k-steps x 4 registers: all 36 would not fit beside the output) and reads each cache
-   element of the tile exactly once (``ldmatrix.x4``: 16 slots x 16 dims per instruction,
-   two ``mma`` per read).
-2. The four warps' partial scores meet in shared memory and every warp sums the same four in
-   the same order (warp 0 first: deterministic), for the 8 scores its lanes hold in the C
-   layout (rows ``g`` and ``g + 8``, columns ``2t, 2t + 1, 2t + 8, 2t + 9``). Scale (into base
-   2: ``exp2`` is one instruction) and, only in tiles that hold tree slots or the split's end,
-   mask. Online softmax per row: the row max is a max over the lane's 4 values and two shuffles
-   within its quad of lanes, the row sum stays per lane until the end; the output is rescaled
-   only when some row max of the warp grew (a warp vote), which after the first tiles of a
-   long prefix is rare.
-3. ``O += P V``: the probabilities, rounded to 16 bits, are packed straight from the score
-   registers into A fragments (the C-to-A identity, ``mma_fragments.c_to_a``). V is the first
-   ``Dc`` columns of the same staged rows, read with ``ldmatrix.x4.trans``. Warp ``w`` owns the
-   output columns of 16-column groups ``w, w + 4, ...`` (128 columns: 64 float32 accumulators
-   per lane) of all 16 rows.
+1. ``S = Q K^T`` (32 rows x 32 slots over the 576 dims, 36 k-steps of 16). Warp ``w`` works
+   on row tile ``rt = w // 4`` (16 rows) and the k-steps ``kw, kw + 4, ...`` of its
+   ``kw = w % 4``: it holds the A fragments of those 9 k-steps of its 16 rows in registers for
+   the whole split (all 36 would not fit beside the output) and reads its k-steps of the tile
+   once (two ``ldmatrix.x4`` per k-step: 32 slots x 16 dims, four ``mma``).
+2. Reduce-scatter of the scores: the 4 partials of each row tile meet in shared memory, and
+   each thread sums the 4 partials (in a fixed order: deterministic) of the 4 scores it owns:
+   row ``r_own`` and slots ``8 nt + 2t, + 1`` for ``nt = nt_own, nt_own + 2``; the 8 lanes of
+   a row differ in lane bits 0-2. Scale (into base 2: ``exp2`` is one instruction) and, only
+   in tiles that hold tree slots or the split's end, mask. Online softmax per row (the row max
+   by three shuffles) with a lazy reference max: it moves only when a score passes it by more
+   than ``RESCALE_BELOW`` = 8 (base 2), so probabilities stay below 2^8 and the output is
+   rescaled only on such jumps (the final ``out / l`` and ``m + log l`` are exact either way).
+   The probabilities, rounded to 16 bits, go to a ``[32, BN + 8]`` shared tile, each row's
+   rescale factor beside them.
+3. ``O += P V``: every warp reads the probabilities of all 32 rows (``ldmatrix.x4``: the A
+   fragments) and owns the output columns of 16-column groups ``w, w + 8, ...`` (64 columns:
+   64 float32 accumulators a lane for the two row tiles). V is the first ``Dc`` columns of the
+   same staged rows, read with ``ldmatrix.x4.trans``; each V fragment feeds four ``mma``.
 
 Which thread touches which byte:
 
 * staging: thread ``tid`` copies slot ``tid // 8`` of the tile, 16-byte chunks ``tid % 8,
-  tid % 8 + 8, ...`` of its row (8 neighbouring threads: 128 contiguous bytes). A slot past
-  the split's end or with a block-table entry outside the cache is filled with zeros by
-  ``cp.async`` itself (source size 0: nothing is read);
-* shared memory: ``kv`` = two tiles of 16 rows, each ``D + 8`` values wide (16 bytes of padding
-  per row, so the 8 rows an ``ldmatrix`` reads at once start in 8 different bank groups);
-  ``partial`` = each lane's 8 partial scores as two float32x4 at ``2 (32 w + lane)`` and ``+ 1``
-  (left and right tile; swapped when bit 2 of the lane is set, so that the 8 lanes of one
-  128-byte phase of a vector store or load hit 8 different 16-byte bank groups);
-* output: lane ``4 g + t`` of warp ``w`` writes rows ``g`` and ``g + 8``, columns ``16 c + 2t,
-  + 1, + 8, + 9`` of its groups ``c`` of ``part_out``; warp 0's lanes ``t = 0`` write the rows'
-  ``part_lse``. ``splits.merge`` combines the splits.
+  tid % 8 + 8, ...`` of its row (8 neighbouring threads: 128 contiguous bytes). Its slot's
+  page and in-page offset advance a tile at a time without a division, and its block-table
+  entry is read one tile before the copy that needs it. A slot past the split's end or with a
+  block-table entry outside the cache is filled with zeros by ``cp.async`` itself (source size
+  0: nothing is read);
+* shared memory (``SharedLayout``): ``stages`` tiles of 32 rows, each ``D + 8`` values wide
+  (16 bytes of padding per row, so the 8 rows an ``ldmatrix`` reads at once start in 8
+  different bank groups); the partial scores as float32x4 at ``[rt, kw, nt, lane ^ 4 (nt %
+  2)]`` (the swizzle makes both the writers' and the readers' 128-byte phases conflict-free);
+  the probability tile (rows 80 bytes apart: 8 rows in 8 bank groups), the rescale factors and
+  the final ``1 / l`` of the 32 rows;
+* output: lane ``4 g + t`` of warp ``w`` writes rows ``g, g + 8, 16 + g, 24 + g`` (of the
+  block), columns ``16 c + 2t, + 1, + 8, + 9`` of its groups ``c`` of ``part_out``; the first
+  lane of each row's 8 writes the row's ``part_lse``. ``splits.merge`` combines the splits.
 
 Barriers per tile: one after the tile has landed (every thread waited for its own copies; the
 barrier makes all of them visible, and certifies that no warp still reads the buffer the next
-copies will overwrite), one after the partial scores are written.
+copies will overwrite, nor the probabilities of the tile before), one after the partial
+scores are written, one after the probabilities and rescale factors are written.
 
 Rows a query cannot see: their scores become ``-inf`` by a select, and in tiles that hold tree
 slots the V fragments are made finite (NaN and +-inf bit patterns become 0) before ``P V``,
@@ -60,15 +67,16 @@ since ``0 * NaN`` is NaN on the tensor cores too. Cache rows past ``P + num_node
 read. Unchecked inputs (``check=False``) are clamped: ``num_nodes`` to ``[0, N]``,
 ``prefix_lens`` to ``[0, capacity]``, slots to the block table's capacity, pages to the cache.
 
-Resources (``python -m ddtree_numba build-report``): launch bounds of 3 blocks per SM cap the
-registers at 168, without spills on sm_90 and sm_120; 41 472 bytes of static shared memory
-(two tiles of 18.7 KB, 4 KB of partial scores). The SASS of the tile loop holds the 34 HMMA and
-17 LDSM, no CALL (the few CALLs of the kernel are outside the tile loop: the float32 division
-slow path of ``1 / l`` after it, and on sm_120 a 64-bit division and remainder before it) and
-no local memory.
+Resources (``python -m ddtree_numba build-report``): one block of 8 warps per SM (222
+registers on sm_90, 194 on sm_120, no spills; launch bounds allow 255), 91.75 KB of dynamic
+shared memory with 2 stages. The SASS of the tile loop holds the 68 HMMA and 30 LDSM, no CALL
+(the one CALL of the kernel is the float32 division slow path of ``1 / l`` after the loop) and
+no local memory: the functions ``pv_step`` and ``write_rows`` are called once per k-step and
+row tile rather than looped, so every index of the accumulators stays a constant (a loop that
+sm_120's compiler left rolled put them in local memory).
 
 Precision: the cache is already 16-bit; the query rows are rounded to the cache's type when
-loaded, and the probabilities when packed for ``P V`` (as FlashAttention and FlashMLA do);
+loaded, and the probabilities when stored for ``P V`` (as FlashAttention and FlashMLA do);
 products accumulate in float32, softmax in float32.
 """
 
@@ -76,6 +84,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import cffi
 from numba import cuda, float32, uint16, uint32, uint64
@@ -86,23 +95,51 @@ from .._device import SIMULATOR
 from .readable import NEG_INF
 from .splits import prefix_split_slots
 
-MMA_THREADS = 128   # 4 warps
+MMA_THREADS = 256   # 8 warps
 WARPS = MMA_THREADS // 32
-BLOCKS_PER_SM = 3   # launch bounds: at most 168 registers, so 3 blocks (12 warps) fit an sm_90
-                    # SM (on sm_120 shared memory allows 2 whatever the registers)
-BM = 16             # query rows per block: the M of one mma
-BN = 16             # slots per staged tile: the N of two score mma, the K of the P V mma
-PARTIALS = WARPS * 32 * 2   # float32x4 partial scores: per warp, per lane, left and right
+KSPLIT = 4          # warps that share out the k-steps of one row tile's scores
+ROW_TILES = WARPS // KSPLIT     # 16-row tiles per block (the M of one mma each)
+BM = 16 * ROW_TILES             # query rows per block: 32
+BN = 32             # slots per staged tile: the N of four score mma, the K of two P V mma
+NT = BN // 8        # 8-slot n-tiles of the scores per tile
+BLOCKS_PER_SM = 1   # launch bounds: up to 255 registers (210 on sm_90; 128 would spill)
+RESCALE_BELOW = 8.0     # the reference max of a row moves only when a score passes it by
+                        # more than this (base 2): probabilities up to 2^8, rare rescales
+P_STRIDE = BN + 8   # probability tile row stride in 16-bit values (80 bytes: see below)
 FULL_MASK = 0xFFFFFFFF
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 _ffi = cffi.FFI()
-if SIMULATOR:   # no vector element type on the simulator (the variant is GPU-only anyway)
-    F32X4 = None
+if SIMULATOR:   # no vector element types on the simulator (the variant is GPU-only anyway)
+    F32X4 = F32X2 = None
 else:
     from numba.cuda.vector_types import vector_types
 
     F32X4 = vector_types["float32x4"]
+    F32X2 = vector_types["float32x2"]
+
+
+class SharedLayout(NamedTuple):
+    """Byte offsets of the regions of the kernel's dynamic shared memory (one block)."""
+    stages: int         # staged cache tiles in flight
+    tile: int           # bytes of one staged tile: BN rows of D + 8 values
+    partial: int        # partial scores: [row tile, k-warp, half, lane] float32x4
+    probs: int          # probabilities: BM rows of P_STRIDE 16-bit values
+    alpha: int          # per row: the rescale factor of this tile (float32)
+    inverse: int        # per row: 1 / l at the end (float32)
+    total: int          # bytes to launch with
+
+
+def shared_layout(Dc: int, Dr: int, stages: int) -> SharedLayout:
+    """Where each region lives in the dynamic shared memory of ``kernel(kind, Dc, Dr,
+    stages)``; ``total`` is the launch's dynamic size (82.75 KB for 512 + 64 wide rows and 4
+    stages, 47.6 KB with 2)."""
+    tile = BN * (Dc + Dr + 8) * 2
+    partial = stages * tile
+    probs = partial + ROW_TILES * KSPLIT * NT * 32 * 16
+    alpha = probs + BM * P_STRIDE * 2
+    inverse = alpha + BM * 4
+    return SharedLayout(stages, tile, partial, probs, alpha, inverse, inverse + BM * 4)
 
 
 def supported(kind: str, Dc: int, Dr: int) -> bool:
@@ -110,20 +147,30 @@ def supported(kind: str, Dc: int, Dr: int) -> bool:
     return kind in ("bfloat16", "float16") and Dc % 16 == 0 and Dr % 16 == 0 and Dc > 0
 
 
-def _make_mma_kernel(kind: str, Dc: int, Dr: int):
+def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
     D = Dc + Dr
     KSTEPS = D // 16                    # k-steps of 16 dims in a score
-    KQ = -(-KSTEPS // WARPS)            # k-steps per warp (round-robin; some warps one fewer)
+    KQ = -(-KSTEPS // KSPLIT)           # k-steps per warp (round-robin; some warps one fewer)
     Q_REGS = 4 * KQ                     # A-fragment registers of the query rows, per lane
     GROUPS = Dc // 16                   # 16-column groups of the output (two n-tiles each)
     GQ = -(-GROUPS // WARPS)            # groups per warp
-    O_VALUES = 8 * GQ                   # float32 accumulators of the output, per lane
+    O_VALUES = ROW_TILES * GQ * 8       # float32 accumulators of the output, per lane
     ROW = D + 8                         # staged row stride in 16-bit values (+16 bytes)
-    TILE = BN * ROW                     # one staged tile, in 16-bit values
-    KV_VALUES = 2 * TILE                # both buffers (shared shapes must be plain constants)
     CHUNKS = D // 8                     # 16-byte chunks per cache row
-    CHUNK_STEPS = -(-CHUNKS // 8)       # chunks per staging thread
+    CHUNK_STEPS = -(-CHUNKS // 8)       # chunks per staging thread (8 threads per row)
     ROW_BYTES = 2 * D
+    STAGES = stages
+    LAYOUT = shared_layout(Dc, Dr, stages)
+    TILE_BYTES = LAYOUT.tile
+    PART4 = LAYOUT.partial // 16        # the regions, as indices of the aliased views
+    PART2 = LAYOUT.partial // 8
+    PROB32 = LAYOUT.probs // 4
+    PROBS = LAYOUT.probs
+    ALPHA = LAYOUT.alpha // 4
+    INVERSE = LAYOUT.inverse // 4
+    P_WORDS = P_STRIDE // 2             # 32-bit words per probability row
+    RESCALE = float32(RESCALE_BELOW)
+    ACC = 4 * NT                        # score accumulators per lane (local sizes: constants)
     mma = tc.mma_bf16_16816 if kind == "bfloat16" else tc.mma_f16_16816
     pack = tc.pack_bf16x2 if kind == "bfloat16" else tc.pack_f16x2
     EXPONENT = uint32(0x7F80 if kind == "bfloat16" else 0x7C00)   # all ones: NaN or +-inf
@@ -145,18 +192,6 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int):
         return pack(q_rope[b, i, h, d - Dc], q_rope[b, i, h, d - Dc + 1])
 
     @cuda.jit(device=True, inline=True)
-    def summed_scores(partial, lane, half):
-        """This lane's 4 scores of the left (``half`` 0) or right tile: the four warps'
-        partials for the same lane and half (the same elements), warp 0 first."""
-        h = half ^ ((lane >> 2) & 1)            # the swizzle of the writes (see there)
-        a = partial[(0 * 32 + lane) * 2 + h]
-        b = partial[(1 * 32 + lane) * 2 + h]
-        c = partial[(2 * 32 + lane) * 2 + h]
-        d = partial[(3 * 32 + lane) * 2 + h]
-        return (((a.x + b.x) + c.x) + d.x, ((a.y + b.y) + c.y) + d.y,
-                ((a.z + b.z) + c.z) + d.z, ((a.w + b.w) + c.w) + d.w)
-
-    @cuda.jit(device=True, inline=True)
     def masked(s, scale2, bits, b, i, slot, P, hi):
         """``scale2 * s`` if row ``i`` sees ``slot``, else ``-inf`` (a select: a NaN score of
         an invisible slot never reaches the row)."""
@@ -167,57 +202,106 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int):
         return s * scale2 if visible else NEG_INF
 
     @cuda.jit(device=True, inline=True)
-    def softmax_step(m, l, s0, s1, s2, s3):
-        """One row's online-softmax update from the 4 scores of this lane (the quad holds the
-        row's 16), in base 2 (scores are pre-multiplied by ``log2 e``):
-        ``(m, l, rescale, p0..p3)``; ``l`` stays a per-lane partial sum."""
-        mx = max(max(s0, s1), max(s2, s3))
-        mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, 1))
-        mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, 2))
-        m_new = max(m, mx)
-        if m_new == NEG_INF:                    # nothing visible yet: all stays 0
-            return m, l, float32(1.0), float32(0.0), float32(0.0), float32(0.0), float32(0.0)
-        rescale = math.exp2(m - m_new)          # exp2(-inf) = 0 on the first visible slot
-        p0 = math.exp2(s0 - m_new)
-        p1 = math.exp2(s1 - m_new)
-        p2 = math.exp2(s2 - m_new)
-        p3 = math.exp2(s3 - m_new)
-        return m_new, l * rescale + ((p0 + p1) + (p2 + p3)), rescale, p0, p1, p2, p3
+    def table_entry(block_table, b, slot, page_index, hi):
+        """The block-table entry of ``slot`` (on ``page_index`` of the request), or -1 past
+        ``hi``. Read one tile before the copy that needs it, and checked only there: the
+        load's latency hides behind a tile of products."""
+        return block_table[b, page_index] if slot < hi else -1
 
     @cuda.jit(device=True, inline=True)
-    def stage(kv_base, buf, cache_flat, block_table, b, tile_start, hi, page_size, num_pages,
-              tid):
-        """Issue the copies of one tile (16 slots) into buffer ``buf``; slots at or past
-        ``hi`` and pages outside the cache become zero rows without being read."""
-        slot = tile_start + tid // 8
+    def next_slot(slot, page_index, in_page, pages_per_tile, rest_per_tile, page_size):
+        """``(slot, slot // page_size, slot % page_size)`` advanced by one tile (``BN``
+        slots), without a division: ``BN = pages_per_tile page_size + rest_per_tile``."""
+        in_page += rest_per_tile
+        page_index += pages_per_tile
+        if in_page >= page_size:
+            in_page -= page_size
+            page_index += uint32(1)
+        return slot + BN, page_index, in_page
+
+    @cuda.jit(device=True, inline=True)
+    def stage(kv_base, buf, cache_flat, page, in_page, page_size, num_pages, tid):
+        """Issue this thread's copies of one tile into buffer ``buf``: row ``tid // 8`` of
+        the tile (offset ``in_page`` of cache ``page``; zeros, nothing read, when ``page`` is
+        -1 or outside the cache), 16-byte chunks ``tid % 8, + 8, ...`` (8 neighbouring
+        threads: 128 contiguous bytes)."""
         nbytes = uint32(0)
         offset = uint64(0)
-        if slot < hi:                           # (unsigned 32-bit division: no 64-bit call)
-            page = block_table[b, uint32(slot) // uint32(page_size)]
-            if 0 <= page < num_pages:
-                nbytes = uint32(16)
-                offset = (uint64(page) * uint64(page_size) + uint64(uint32(slot)
-                          % uint32(page_size))) * uint64(ROW_BYTES)
-        first = tid % 8                         # chunks first, first + 8, ... of the row
-        dst = kv_base + uint32(2 * (buf * TILE + (tid // 8) * ROW) + 16 * first)
+        if 0 <= page < num_pages:
+            nbytes = uint32(16)
+            offset = (uint64(page) * uint64(page_size) + uint64(in_page)) * uint64(ROW_BYTES)
+        first = tid % 8
+        dst = kv_base + uint32(buf * TILE_BYTES + 2 * (tid // 8) * ROW + 16 * first)
         offset += uint64(16 * first)
         src = _ffi.from_buffer(cache_flat)
         for u in range(CHUNK_STEPS):
-            if CHUNKS % 8 == 0 or first + 8 * u < CHUNKS:     # (folds away when even)
+            if CHUNKS % 8 == 0 or first + 8 * u < CHUNKS:      # (folds away when even)
                 tc.cp_async_16(dst + uint32(128 * u), src, offset + uint64(128 * u), nbytes)
-        tc.cp_async_commit()
+
+    @cuda.jit(device=True, inline=True)
+    def pv_step(o, pa0, pa1, frag, probs, v_rows, warp, tree):
+        """``O += P V`` over one k-step of 16 slots: the probabilities of both row tiles at
+        ``probs`` (this lane's ldmatrix address), the V rows at ``v_rows`` (likewise), this
+        warp's column groups ``warp, warp + WARPS, ...``. Written as a function called once
+        per k-step (not a loop over them): every index of ``o`` stays a constant, so ``o``
+        stays in registers on every target."""
+        tc.ldmatrix_x4(_ffi.from_buffer(pa0), probs)
+        tc.ldmatrix_x4(_ffi.from_buffer(pa1), probs + uint32(2 * 16 * P_STRIDE))
+        for q in range(GQ):
+            group = warp + WARPS * q
+            if GROUPS % WARPS == 0 or group < GROUPS:
+                tc.ldmatrix_x4_trans(_ffi.from_buffer(frag), v_rows + uint32(32 * group))
+                if tree:                        # invisible rows may hold NaN: 0 * NaN = NaN
+                    for k in range(4):
+                        frag[k] = finite_pair(frag[k])
+                mma(_ffi.from_buffer(o[8 * q:]), pa0[0], pa0[1], pa0[2], pa0[3], frag[0],
+                    frag[1])
+                mma(_ffi.from_buffer(o[8 * q + 4:]), pa0[0], pa0[1], pa0[2], pa0[3], frag[2],
+                    frag[3])
+                mma(_ffi.from_buffer(o[GQ * 8 + 8 * q:]), pa1[0], pa1[1], pa1[2], pa1[3],
+                    frag[0], frag[1])
+                mma(_ffi.from_buffer(o[GQ * 8 + 8 * q + 4:]), pa1[0], pa1[1], pa1[2], pa1[3],
+                    frag[2], frag[3])
+
+    @cuda.jit(device=True, inline=True)
+    def write_rows(part_out, o, base, smem_f32, split, b, r, rows, warp, rb, t):
+        """This lane's outputs of one row tile (``o[base:]``: rows ``r`` and ``r + 8``, block
+        rows ``rb``, ``rb + 8``), divided by their rows' ``l``, into ``part_out``. Called once
+        per row tile, not in a loop: the indices of ``o`` stay constants (registers)."""
+        inv = smem_f32[INVERSE + rb]
+        inv8 = smem_f32[INVERSE + rb + 8]
+        for q in range(GQ):
+            group = warp + WARPS * q
+            if group < GROUPS:
+                col = 16 * group + 2 * t
+                k = base + 8 * q
+                if r < rows:
+                    part_out[split, b, r, col] = o[k] * inv
+                    part_out[split, b, r, col + 1] = o[k + 1] * inv
+                    part_out[split, b, r, col + 8] = o[k + 4] * inv
+                    part_out[split, b, r, col + 9] = o[k + 5] * inv
+                if r + 8 < rows:
+                    part_out[split, b, r + 8, col] = o[k + 2] * inv8
+                    part_out[split, b, r + 8, col + 1] = o[k + 3] * inv8
+                    part_out[split, b, r + 8, col + 8] = o[k + 6] * inv8
+                    part_out[split, b, r + 8, col + 9] = o[k + 7] * inv8
 
     @cuda.jit(launch_bounds=(MMA_THREADS, BLOCKS_PER_SM))
     def mma_kernel(q_latent, q_rope, cache, block_table, prefix_lens, bits, num_nodes, sm_scale,
                    part_out, part_lse, cache_flat):
-        kv = cuda.shared.array(KV_VALUES, uint16, alignment=16)  # two staged tiles (16 B:
-        #                                                          cp.async and ldmatrix rows)
-        partial = cuda.shared.array(PARTIALS, F32X4, alignment=16)   # [warp, lane, half]
+        # One dynamic shared block (LAYOUT), seen through aliased views of several types.
+        smem = cuda.shared.array(0, uint16, alignment=16)
+        smem_f32x4 = cuda.shared.array(0, F32X4)
+        smem_f32x2 = cuda.shared.array(0, F32X2)
+        smem_u32 = cuda.shared.array(0, uint32)
+        smem_f32 = cuda.shared.array(0, float32)
         tid = cuda.threadIdx.x
         warp = tid // 32
         lane = tid % 32
         g = lane // 4                           # C layout: rows g and g + 8 ...
         t = lane % 4                            # ... columns 2t, 2t + 1, 2t + 8, 2t + 9
+        rt = warp // KSPLIT                     # scores: this warp's row tile ...
+        kw = warp % KSPLIT                      # ... and its share of the k-steps
         split = cuda.blockIdx.x
         row0 = cuda.blockIdx.y * BM
         b = cuda.blockIdx.z
@@ -236,156 +320,210 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int):
         if lo >= hi or row0 >= n * H:           # no slot here, or only padding rows:
             return                              # the merge reads neither
 
-        # The A fragments of this warp's k-steps of the 16 query rows, for the whole split.
-        rg = row0 + g                           # flat rows of this lane: rg and rg + 8
+        # Scores: the A fragments of this warp's k-steps of its row tile, for the whole split.
+        rg = row0 + 16 * rt + g                 # flat rows of this lane: rg and rg + 8
         rg8 = rg + 8
         ig = uint32(min(rg, rows - 1)) // uint32(H)     # their nodes and heads (clamped:
         hg = uint32(min(rg, rows - 1)) % uint32(H)      # rows past N H load zeros and are
         ig8 = uint32(min(rg8, rows - 1)) // uint32(H)   # never written)
         hg8 = uint32(min(rg8, rows - 1)) % uint32(H)
-        ok_g = rg < rows
-        ok_g8 = rg8 < rows
         qa = cuda.local.array(Q_REGS, uint32)
         for kk in range(KQ):
-            d = 16 * (warp + WARPS * kk) + 2 * t
+            d = 16 * (kw + KSPLIT * kk) + 2 * t
             ok = d < D
-            qa[4 * kk + 0] = query_pair(q_latent, q_rope, b, ig, hg, d, ok and ok_g)
-            qa[4 * kk + 1] = query_pair(q_latent, q_rope, b, ig8, hg8, d, ok and ok_g8)
-            qa[4 * kk + 2] = query_pair(q_latent, q_rope, b, ig, hg, d + 8, ok and ok_g)
-            qa[4 * kk + 3] = query_pair(q_latent, q_rope, b, ig8, hg8, d + 8, ok and ok_g8)
+            qa[4 * kk + 0] = query_pair(q_latent, q_rope, b, ig, hg, d, ok and rg < rows)
+            qa[4 * kk + 1] = query_pair(q_latent, q_rope, b, ig8, hg8, d, ok and rg8 < rows)
+            qa[4 * kk + 2] = query_pair(q_latent, q_rope, b, ig, hg, d + 8, ok and rg < rows)
+            qa[4 * kk + 3] = query_pair(q_latent, q_rope, b, ig8, hg8, d + 8,
+                                        ok and rg8 < rows)
+
+        # Softmax: this thread owns row r_own of the block (of its warp's row tile) and the
+        # slots 8 nt + 2t, + 1 of each tile for nt = nt_own and nt_own + 2; the 8 lanes of a
+        # row differ in bits 0-2 of the lane.
+        gs = lane // 16
+        h_own = (lane // 8) % 2
+        nt_own = (lane // 4) % 2
+        g_own = 2 * kw + gs
+        r_own = 16 * rt + g_own + 8 * h_own
+        i_own = uint32(min(row0 + r_own, rows - 1)) // uint32(H)
+        # its partial scores of n-tile nt from k-warp p sit in float2 PART2 + 2 (((rt KSPLIT
+        # + p) NT + nt) 32 + ((4 g_own + t) ^ 4 (nt % 2))) + h_own: the c0, c1 (h 0) or c2,
+        # c3 of the lane 4 g_own + t that computed them, undoing the writers' swizzle
+        part_read = PART2 + 2 * ((rt * KSPLIT * NT + nt_own) * 32
+                                 + ((4 * g_own + t) ^ (4 * nt_own))) + h_own
 
         # ldmatrix addresses (bytes from a tile's start) that this lane provides:
         # scores: row lane % 8 of matrix lane // 8 = slots 0-7 | 8-15, dims +0 | +8 of a k-step
+        # (slots 16-31: the same address + 16 rows)
         k_lane = 2 * ((lane % 8 + 8 * (lane // 16)) * ROW + 8 * ((lane // 8) % 2))
         # P V (.trans): matrix lane // 8 = slots 0-7 | 8-15, columns +0 | +8 of a group
         v_lane = 2 * ((lane % 8 + 8 * ((lane // 8) % 2)) * ROW + 8 * (lane // 16))
-        kv_base = tc.shared_address(_ffi.from_buffer(kv))
+        # probabilities (A of P V): matrix lane // 8 = rows 0-7 | 8-15, slots 0-7 | 8-15 ...
+        p_lane = 2 * ((lane % 16) * P_STRIDE + 8 * (lane // 16))   # ... (a0, a1, a2, a3)
+        kv_base = tc.shared_address(_ffi.from_buffer(smem))
         scale2 = sm_scale * float32(LOG2E)      # scores in base 2: exp2 is one instruction
 
         o = cuda.local.array(O_VALUES, float32)
         for k in range(O_VALUES):
             o[k] = 0.0
-        s_left = cuda.local.array(4, float32)   # scores of slots 0-7 of the tile (C layout)
-        s_right = cuda.local.array(4, float32)  # scores of slots 8-15
-        frag = cuda.local.array(4, uint32)      # one ldmatrix.x4
-        m_g = NEG_INF                           # running max of rows rg, rg8
-        m_g8 = NEG_INF
-        l_g = float32(0.0)                      # running sums, this lane's columns only
-        l_g8 = float32(0.0)
+        acc = cuda.local.array(ACC, float32)    # partial scores, n-tile nt at 4 nt (C)
+        frag = cuda.local.array(4, uint32)      # one ldmatrix.x4 of K or V
+        frag2 = cuda.local.array(4, uint32)
+        pa0 = cuda.local.array(4, uint32)       # probabilities of row tile 0 (A fragment)
+        pa1 = cuda.local.array(4, uint32)       # ... row tile 1
+        m_own = NEG_INF                         # running max of row r_own (base 2)
+        l_own = float32(0.0)                    # running sum, this lane's slots only
 
+        # Staging: thread tid copies row tid // 8 of each tile: slot st_slot, on page
+        # st_page of the request at offset st_in_page (advanced a tile at a time), whose
+        # block-table entry st_entry is read one tile before its copy is issued.
         tiles = (hi - lo + BN - 1) // BN
-        stage(kv_base, 0, cache_flat, block_table, b, lo, hi, page_size, num_pages, tid)
+        page_size32 = uint32(page_size)
+        pages_per_tile = uint32(BN) // page_size32      # the kernel's only divisions by
+        rest_per_tile = uint32(BN) % page_size32        # the page size
+        st_slot = lo + tid // 8
+        st_page = uint32(st_slot) // page_size32
+        st_in_page = uint32(st_slot) % page_size32
+        for s in range(STAGES - 1):             # prologue: tiles 0 .. STAGES - 2 in flight
+            if s < tiles:
+                entry = table_entry(block_table, b, st_slot, st_page, hi)
+                stage(kv_base, s, cache_flat, entry, st_in_page, page_size, num_pages, tid)
+            tc.cp_async_commit()                # (empty groups keep the count uniform)
+            st_slot, st_page, st_in_page = next_slot(st_slot, st_page, st_in_page,
+                                                     pages_per_tile, rest_per_tile,
+                                                     page_size32)
+        st_entry = table_entry(block_table, b, st_slot, st_page, hi)
         for j in range(tiles):
-            buf = j % 2
             tile_start = lo + BN * j
-            tc.cp_async_wait_all()              # this thread's copies of tile j have landed
+            tc.cp_async_wait_pending(STAGES - 2)    # this thread's copies of tile j landed
             cuda.syncthreads()                  # everyone's have; nobody reads tile j - 1
-            if j + 1 < tiles:                   # its buffer now takes tile j + 1
-                stage(kv_base, 1 - buf, cache_flat, block_table, b, tile_start + BN, hi,
-                      page_size, num_pages, tid)
-            tile = kv_base + uint32(2 * buf * TILE)
+            ahead = j + STAGES - 1              # its buffer now takes tile j + STAGES - 1
+            if ahead < tiles:
+                stage(kv_base, ahead % STAGES, cache_flat, st_entry, st_in_page, page_size,
+                      num_pages, tid)
+            tc.cp_async_commit()
+            st_slot, st_page, st_in_page = next_slot(st_slot, st_page, st_in_page,
+                                                     pages_per_tile, rest_per_tile,
+                                                     page_size32)
+            st_entry = table_entry(block_table, b, st_slot, st_page, hi)
+            tile = kv_base + uint32(TILE_BYTES * (j % STAGES))
 
-            # 1. partial scores of this warp's k-steps: 16 rows x 16 slots
-            for k in range(4):
-                s_left[k] = 0.0
-                s_right[k] = 0.0
+            # 1. partial scores of this warp's k-steps: its 16 rows x 32 slots
+            for k in range(ACC):
+                acc[k] = 0.0
             for kk in range(KQ):
-                ks = warp + WARPS * kk
-                if KSTEPS % WARPS == 0 or ks < KSTEPS:      # (folds away when even)
-                    tc.ldmatrix_x4(_ffi.from_buffer(frag), tile + uint32(k_lane + 32 * ks))
-                    mma(_ffi.from_buffer(s_left), qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2],
+                ks = kw + KSPLIT * kk
+                if KSTEPS % KSPLIT == 0 or ks < KSTEPS:      # (folds away when even)
+                    k_step = tile + uint32(k_lane + 32 * ks)
+                    tc.ldmatrix_x4(_ffi.from_buffer(frag), k_step)                # slots 0-15
+                    tc.ldmatrix_x4(_ffi.from_buffer(frag2), k_step + uint32(32 * ROW))  # 16-31
+                    mma(_ffi.from_buffer(acc[0:]), qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2],
                         qa[4 * kk + 3], frag[0], frag[1])
-                    mma(_ffi.from_buffer(s_right), qa[4 * kk], qa[4 * kk + 1],
-                        qa[4 * kk + 2], qa[4 * kk + 3], frag[2], frag[3])
-            # this lane's 8 partial scores, in its own C-layout order: conflict-free vectors
-            # lane L's two vectors sit at 2 (32 w + L) and + 1, swapped when bit 2 of L is
-            # set: the 8 lanes of one 128-byte phase then fill 8 different 16-byte banks
-            swap = (lane >> 2) & 1
-            partial[(warp * 32 + lane) * 2 + swap] = float32x4(s_left[0], s_left[1],
-                                                               s_left[2], s_left[3])
-            partial[(warp * 32 + lane) * 2 + (1 - swap)] = float32x4(s_right[0], s_right[1],
-                                                                     s_right[2], s_right[3])
-            cuda.syncthreads()                  # all four warps' partials are written
+                    mma(_ffi.from_buffer(acc[4:]), qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2],
+                        qa[4 * kk + 3], frag[2], frag[3])
+                    mma(_ffi.from_buffer(acc[8:]), qa[4 * kk], qa[4 * kk + 1], qa[4 * kk + 2],
+                        qa[4 * kk + 3], frag2[0], frag2[1])
+                    mma(_ffi.from_buffer(acc[12:]), qa[4 * kk], qa[4 * kk + 1],
+                        qa[4 * kk + 2], qa[4 * kk + 3], frag2[2], frag2[3])
+            # lane L's float32x4 of n-tile nt goes to [rt, kw, nt, L ^ 4 (nt % 2)]: each
+            # 8-lane phase of a store fills 128 contiguous bytes, and the readers' phases too
+            part = PART4 + (rt * KSPLIT + kw) * NT * 32
+            for nt in range(NT):
+                smem_f32x4[part + 32 * nt + (lane ^ (4 * (nt % 2)))] = float32x4(
+                    acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3])
+            cuda.syncthreads()                  # all partial scores are written
 
-            # 2. full scores (base 2), mask, online softmax (rows rg: x, rg8: y)
-            x0, x1, y0, y1 = summed_scores(partial, lane, 0)   # slots c, c+1 (left tile)
-            x2, x3, y2, y3 = summed_scores(partial, lane, 1)   # slots c+8, c+9 (right)
+            # 2. this thread's four scores (slots c, c + 1 and c + 16, c + 17): the 4 k-warps
+            # summed in a fixed order, base 2, masked only in tiles that hold tree slots or
+            # the split's end
+            x0 = float32(0.0)
+            y0 = float32(0.0)
+            x1 = float32(0.0)
+            y1 = float32(0.0)
+            for p in range(KSPLIT):
+                v = smem_f32x2[part_read + 2 * 32 * (NT * p)]
+                w = smem_f32x2[part_read + 2 * 32 * (NT * p + 2)]
+                x0 += v.x
+                y0 += v.y
+                x1 += w.x
+                y1 += w.y
             if tile_start + BN <= P and tile_start + BN <= hi:
-                x0 *= scale2                    # an interior prefix tile: every row sees
-                x1 *= scale2                    # every slot, nothing to mask
-                x2 *= scale2
-                x3 *= scale2
+                x0 *= scale2                    # an interior prefix tile: nothing to mask
                 y0 *= scale2
+                x1 *= scale2
                 y1 *= scale2
-                y2 *= scale2
-                y3 *= scale2
-            else:                               # tree slots or the split's end
-                c = tile_start + 2 * t          # the slots of this lane: c, c+1, c+8, c+9
-                x0 = masked(x0, scale2, bits, b, ig, c, P, hi)
-                x1 = masked(x1, scale2, bits, b, ig, c + 1, P, hi)
-                x2 = masked(x2, scale2, bits, b, ig, c + 8, P, hi)
-                x3 = masked(x3, scale2, bits, b, ig, c + 9, P, hi)
-                y0 = masked(y0, scale2, bits, b, ig8, c, P, hi)
-                y1 = masked(y1, scale2, bits, b, ig8, c + 1, P, hi)
-                y2 = masked(y2, scale2, bits, b, ig8, c + 8, P, hi)
-                y3 = masked(y3, scale2, bits, b, ig8, c + 9, P, hi)
-            m_g, l_g, r_g, x0, x1, x2, x3 = softmax_step(m_g, l_g, x0, x1, x2, x3)
-            m_g8, l_g8, r_g8, y0, y1, y2, y3 = softmax_step(m_g8, l_g8, y0, y1, y2, y3)
-            if cuda.any_sync(FULL_MASK, r_g != 1.0 or r_g8 != 1.0):  # a row max grew:
-                for k in range(0, O_VALUES, 4):  # values 0, 1 are row rg, 2, 3 row rg8
-                    o[k] *= r_g
-                    o[k + 1] *= r_g
-                    o[k + 2] *= r_g8
-                    o[k + 3] *= r_g8
-            # the probabilities as the A fragment of P (16 rows x 16 slots): C-to-A identity
-            pa0 = pack(x0, x1)
-            pa1 = pack(y0, y1)
-            pa2 = pack(x2, x3)
-            pa3 = pack(y2, y3)
+            else:
+                c = tile_start + 8 * nt_own + 2 * t
+                x0 = masked(x0, scale2, bits, b, i_own, c, P, hi)
+                y0 = masked(y0, scale2, bits, b, i_own, c + 1, P, hi)
+                x1 = masked(x1, scale2, bits, b, i_own, c + 16, P, hi)
+                y1 = masked(y1, scale2, bits, b, i_own, c + 17, P, hi)
+            # online softmax of the row: its max over the 8 lanes that hold its 32 slots
+            mx = max(max(x0, y0), max(x1, y1))
+            mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, 1))
+            mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, 2))
+            mx = max(mx, cuda.shfl_xor_sync(FULL_MASK, mx, 4))
+            alpha = float32(1.0)
+            p0 = float32(0.0)
+            p1 = float32(0.0)
+            p2 = float32(0.0)
+            p3 = float32(0.0)
+            if mx > NEG_INF or m_own > NEG_INF:     # (else nothing visible yet: all stays 0)
+                if mx > m_own + RESCALE:        # the row max outgrew the reference max:
+                    alpha = math.exp2(m_own - mx)   # move it (alpha = 0 on the first visible
+                    l_own *= alpha                  # tile, where m_own is -inf)
+                    m_own = mx
+                p0 = math.exp2(x0 - m_own)      # at most 2^RESCALE_BELOW: no overflow
+                p1 = math.exp2(y0 - m_own)
+                p2 = math.exp2(x1 - m_own)
+                p3 = math.exp2(y1 - m_own)
+                l_own += (p0 + p1) + (p2 + p3)
+            # the probabilities, rounded to 16 bits, into the [BM, P_STRIDE] tile; the row's
+            # rescale factor beside them (written by the row's first lane)
+            smem_u32[PROB32 + r_own * P_WORDS + 4 * nt_own + t] = pack(p0, p1)
+            smem_u32[PROB32 + r_own * P_WORDS + 4 * nt_own + t + 8] = pack(p2, p3)
+            if lane % 8 == 0:
+                smem_f32[ALPHA + r_own] = alpha
+            cuda.syncthreads()                  # probabilities and factors are written
 
-            # 3. O += P V over this warp's column groups
+            # 3. O += P V: all 32 rows, this warp's column groups
+            a_0 = smem_f32[ALPHA + g]           # the factors of this lane's C rows:
+            a_1 = smem_f32[ALPHA + g + 8]       # g, g + 8 of row tile 0 ...
+            a_2 = smem_f32[ALPHA + g + 16]      # ... and of row tile 1
+            a_3 = smem_f32[ALPHA + g + 24]
+            if cuda.any_sync(FULL_MASK, a_0 != 1.0 or a_1 != 1.0 or a_2 != 1.0 or a_3 != 1.0):
+                for k in range(0, GQ * 8, 4):   # values 0, 1 are row g, 2, 3 row g + 8
+                    o[k] *= a_0
+                    o[k + 1] *= a_0
+                    o[k + 2] *= a_1
+                    o[k + 3] *= a_1
+                    o[GQ * 8 + k] *= a_2
+                    o[GQ * 8 + k + 1] *= a_2
+                    o[GQ * 8 + k + 2] *= a_3
+                    o[GQ * 8 + k + 3] *= a_3
             tree = tile_start + BN > P          # the tile holds tree slots (block-uniform)
-            for gq in range(GQ):
-                group = warp + WARPS * gq
-                if GROUPS % WARPS == 0 or group < GROUPS:
-                    tc.ldmatrix_x4_trans(_ffi.from_buffer(frag),
-                                         tile + uint32(v_lane + 32 * group))
-                    if tree:                    # invisible rows may hold NaN: 0 * NaN = NaN
-                        for k in range(4):
-                            frag[k] = finite_pair(frag[k])
-                    mma(_ffi.from_buffer(o[8 * gq:]), pa0, pa1, pa2, pa3, frag[0], frag[1])
-                    mma(_ffi.from_buffer(o[8 * gq + 4:]), pa0, pa1, pa2, pa3, frag[2], frag[3])
+            pv_step(o, pa0, pa1, frag, kv_base + uint32(PROBS + p_lane),
+                    tile + uint32(v_lane), warp, tree)              # slots 0-15
+            pv_step(o, pa0, pa1, frag, kv_base + uint32(PROBS + p_lane + 32),
+                    tile + uint32(v_lane + 2 * 16 * ROW), warp, tree)   # slots 16-31
 
-        # The split's partial: out / l and m + log l per row (l summed over the quad's lanes).
-        l_g += cuda.shfl_xor_sync(FULL_MASK, l_g, 1)
-        l_g += cuda.shfl_xor_sync(FULL_MASK, l_g, 2)
-        l_g8 += cuda.shfl_xor_sync(FULL_MASK, l_g8, 1)
-        l_g8 += cuda.shfl_xor_sync(FULL_MASK, l_g8, 2)
-        inv_g = float32(1.0) / l_g if l_g > 0 else float32(0.0)
-        inv_g8 = float32(1.0) / l_g8 if l_g8 > 0 else float32(0.0)
-        for gq in range(GQ):
-            group = warp + WARPS * gq
-            if group < GROUPS:
-                col = 16 * group + 2 * t
-                if rg < rows:
-                    part_out[split, b, rg, col] = o[8 * gq] * inv_g
-                    part_out[split, b, rg, col + 1] = o[8 * gq + 1] * inv_g
-                    part_out[split, b, rg, col + 8] = o[8 * gq + 4] * inv_g
-                    part_out[split, b, rg, col + 9] = o[8 * gq + 5] * inv_g
-                if rg8 < rows:
-                    part_out[split, b, rg8, col] = o[8 * gq + 2] * inv_g8
-                    part_out[split, b, rg8, col + 1] = o[8 * gq + 3] * inv_g8
-                    part_out[split, b, rg8, col + 8] = o[8 * gq + 6] * inv_g8
-                    part_out[split, b, rg8, col + 9] = o[8 * gq + 7] * inv_g8
-        if warp == 0 and t == 0:                # natural log: (m + log2 l) ln 2
-            if rg < rows:
-                part_lse[split, b, rg] = (m_g + math.log2(l_g)) * LN2 if l_g > 0 else NEG_INF
-            if rg8 < rows:
-                part_lse[split, b, rg8] = ((m_g8 + math.log2(l_g8)) * LN2 if l_g8 > 0
-                                           else NEG_INF)
+        # The split's partial: out / l and m + log l per row (l summed over the row's lanes).
+        l_own += cuda.shfl_xor_sync(FULL_MASK, l_own, 1)
+        l_own += cuda.shfl_xor_sync(FULL_MASK, l_own, 2)
+        l_own += cuda.shfl_xor_sync(FULL_MASK, l_own, 4)
+        if lane % 8 == 0:
+            smem_f32[INVERSE + r_own] = float32(1.0) / l_own if l_own > 0 else float32(0.0)
+            if row0 + r_own < rows:             # natural log: (m + log2 l) ln 2
+                part_lse[split, b, row0 + r_own] = ((m_own + math.log2(l_own)) * LN2
+                                                    if l_own > 0 else NEG_INF)
+        cuda.syncthreads()                      # every row's 1 / l is written
+        write_rows(part_out, o, 0, smem_f32, split, b, row0 + g, rows, warp, g, t)
+        write_rows(part_out, o, GQ * 8, smem_f32, split, b, row0 + 16 + g, rows, warp, g + 16,
+                   t)
 
     return mma_kernel
 
 
-#: ``kernel(kind, Dc, Dr)``: the mma kernel for one storage kind and row width, made once.
+#: ``kernel(kind, Dc, Dr, stages)``: the mma kernel for one storage kind, row width and
+#: pipeline depth, made once.
 kernel = functools.cache(_make_mma_kernel)
