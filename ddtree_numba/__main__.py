@@ -16,7 +16,7 @@ import sys
 
 from . import __version__
 from ._platform import choose_backend
-from .limits import MAX_BATCH, MAX_BUDGET, MAX_DEPTH, MAX_K
+from .limits import MAX_BATCH, MAX_BUDGET, MAX_DEPTH, MAX_K, MAX_VOCAB
 
 PROG = "python -m ddtree_numba"
 MAX_SEED = 2**32 - 1
@@ -58,6 +58,28 @@ def probability(text):
         value = None
     if value is None or not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a probability in [0, 1], got {text}")
+    return value
+
+
+def non_negative(text):
+    """argparse ``type=``: a finite float >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return value
+
+
+def top_p_value(text):
+    """argparse ``type=``: a float in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
     return value
 
 
@@ -154,6 +176,9 @@ def _build_report(args) -> int:
 
 
 def _demo(args) -> int:
+    if args.temperature > 0 and args.plot:
+        raise CommandError("--plot: the tree plot is drawn by the greedy demo; leave out "
+                           "--temperature (or set it to 0)")
     from .models.toy_mla import ToyMLAConfig
 
     backend = choose_backend()
@@ -165,7 +190,8 @@ def _demo(args) -> int:
 
     print(f"ddtree_numba demo on the {backend}\n")
     run_demo(bs=args.bs, steps=args.steps, L=args.depth, k=args.topk, budget=args.budget,
-             accuracy=args.accuracy, seed=args.seed, plot=args.plot)
+             accuracy=args.accuracy, seed=args.seed, plot=args.plot,
+             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     return 0
 
 
@@ -203,7 +229,8 @@ def make_parser() -> Parser:
     parser.add_argument("--traceback", action="store_true", help="show the full traceback of an "
                         "unexpected error (also DDTREE_TRACEBACK=1)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    demo = sub.add_parser("demo", help="greedy DDTree decoding of a toy MLA model, checked "
+    demo = sub.add_parser("demo", help="DDTree decoding of a toy MLA model (greedy, or sampled "
+                          "with --temperature), checked "
                           "against the references and plain greedy decoding (the main job)")
     demo.add_argument("--bs", type=int_in(1, MAX_BATCH),
                       help="requests (default: 2 simulated, 4 on a GPU)")
@@ -218,6 +245,14 @@ def make_parser() -> Parser:
     demo.add_argument("--accuracy", type=probability, default=0.8,
                       help="how often the toy drafter's top guess is the target's token")
     demo.add_argument("--seed", type=int_in(0, MAX_SEED), default=0)
+    demo.add_argument("--temperature", type=non_negative, default=0.0,
+                      help="sample at this temperature (default 0: greedy decoding)")
+    demo.add_argument("--top-k", type=int_in(0, MAX_VOCAB), default=0,
+                      help="when sampling, keep the K most likely target tokens (default 0: "
+                      "all; not --topk, the drafter's K)")
+    demo.add_argument("--top-p", type=top_p_value, default=1.0,
+                      help="when sampling, keep the most likely target tokens holding this "
+                      "much probability (default 1: all)")
     demo.add_argument("--plot", metavar="PATH", type=output_file(PLOT_SUFFIXES),
                       help="save the tree of the step with the longest accepted path, the path "
                       "highlighted (.png, .svg or .pdf)")

@@ -483,6 +483,67 @@ def check_tree_sample(token_ids, next_token, next_sibling, target_probs, uniform
 
 
 @dataclass(frozen=True)
+class UniformSizes:
+    bs: int
+    N: int
+    seed: int
+
+
+def check_sample_uniforms(seed, prefix_lens, N, *, check=None) -> UniformSizes:
+    """``seed`` an int in ``[0, 2^64)``, ``prefix_lens`` ``int32[bs]`` (values ``>= 0`` when
+    checked), ``N >= 1`` nodes."""
+    seed = require_int("seed", seed, low=0, high=2**64 - 1)
+    N = require_int("N", N, low=1, high=2**31 - 1)
+    sizes: dict = {}
+    info = require_array("prefix_lens", prefix_lens, (INT32,), ("bs",), sizes)
+    if _values_wanted([info], check):
+        p = host_values(prefix_lens)
+        if (p < 0).any():
+            b = int(np.flatnonzero(p < 0)[0])
+            raise ValueError(f"prefix_lens: expected values >= 0, got {int(p[b])} in request {b}")
+    return UniformSizes(sizes["bs"], N, seed)
+
+
+@dataclass(frozen=True)
+class SamplingSizes:
+    bs: int
+    N: int
+    V: int
+
+
+def check_sampling_probs(logits, temperature, top_k, top_p, *, check=None) -> SamplingSizes:
+    """``logits`` ``float32[bs, N, V]`` (finite or -inf, at least one finite value per row);
+    per request ``temperature`` ``float32[bs]`` (finite, ``>= 0``), ``top_k`` ``int32[bs]``
+    (``>= 0``; 0 keeps every token) and ``top_p`` ``float32[bs]`` in ``(0, 1]``."""
+    sizes: dict = {}
+    infos = [require_array("logits", logits, (FLOAT32,), ("bs", "N", "V"), sizes),
+             require_array("temperature", temperature, (FLOAT32,), ("bs",), sizes),
+             require_array("top_k", top_k, (INT32,), ("bs",), sizes),
+             require_array("top_p", top_p, (FLOAT32,), ("bs",), sizes)]
+    if sizes["V"] < 1:
+        raise ValueError("logits: expected a vocabulary of at least 1 token")
+    if _values_wanted(infos, check):
+        t, k, p = host_values(temperature), host_values(top_k), host_values(top_p)
+        for name, bad, want in (("temperature", ~(np.isfinite(t) & (t >= 0)), "finite, >= 0"),
+                                ("top_k", k < 0, ">= 0 (0: no top-k)"),
+                                ("top_p", ~((p > 0) & (p <= 1)), "in (0, 1]")):
+            if bad.any():
+                b = int(np.flatnonzero(bad)[0])
+                value = (t, k, p)[("temperature", "top_k", "top_p").index(name)][b]
+                raise ValueError(f"{name}: expected {want}, got {value} in request {b}")
+        values = host_values(logits)
+        bad = np.isnan(values) | (values == np.inf)
+        if bad.any():
+            raise ValueError(f"logits: expected finite values or -inf, got "
+                             f"{float(values[bad][0])} at index {_first_index(bad)}")
+        empty = ~np.isfinite(values).any(-1)
+        if empty.any():
+            raise ValueError(f"logits: expected at least one finite value per row, row "
+                             f"{_first_index(empty)} has none")
+    return SamplingSizes(sizes["bs"], sizes["N"], sizes["V"])
+
+
+@dataclass(frozen=True)
 class CommitSizes:
     bs: int
     N: int

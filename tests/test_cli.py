@@ -25,6 +25,12 @@ BAD = [
     (["demo", "--plot", "/missing/dir/x.png"], "--plot: cannot write /missing/dir/x.png: "
                                                "folder /missing/dir does not exist"),
     (["demo", "--plot", "tree.jpg"], "--plot: expected a file name ending in .png, .svg, .pdf"),
+    (["demo", "--temperature", "-1"], "--temperature: expected a finite number >= 0, got -1"),
+    (["demo", "--temperature", "inf"], "--temperature: expected a finite number >= 0, got inf"),
+    (["demo", "--top-p", "0"], "--top-p: expected a number in (0, 1], got 0"),
+    (["demo", "--top-k", "-1"], "--top-k: expected an int in [0, 262144], got -1"),
+    (["demo", "--temperature", "1", "--plot", "t.png"], "--plot: the tree plot is drawn by the "
+                                                        "greedy demo"),
     (["fixtures", "out", "--cases", "-1"], "--cases: expected an int in [1, 1000], got -1"),
     (["fixtures", "out", "--seed", "-1"], "--seed: expected an int in [0, 4294967295], got -1"),
     (["build-report", "--json", "--markdown"], "--markdown: not allowed with argument --json"),

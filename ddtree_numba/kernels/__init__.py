@@ -9,6 +9,8 @@ from ._device import SIMULATOR, as_device, use_stream
 from .build_tree import allocate_tree, build_tree
 from .commit_kv import commit_kv
 from .draft_topk import draft_topk
+from .sample_uniforms import allocate_uniforms, sample_uniforms
+from .sampling_probs import allocate_probs, sampling_probs
 from .tree_accept import allocate_accept, tree_accept
 from .tree_sample import tree_sample
 from .verify_attn import allocate_workspace, verify_attn
@@ -16,12 +18,16 @@ from .verify_attn import allocate_workspace, verify_attn
 __all__ = [
     "SIMULATOR",
     "allocate_accept",
+    "allocate_probs",
     "allocate_tree",
+    "allocate_uniforms",
     "allocate_workspace",
     "as_device",
     "build_tree",
     "commit_kv",
     "draft_topk",
+    "sample_uniforms",
+    "sampling_probs",
     "tree_accept",
     "tree_sample",
     "use_stream",

@@ -28,6 +28,7 @@ from ..models.toy_mla import ToyMLA, ToyMLAConfig
 from ..models.toy_mla_device import DeviceToyMLA
 from ..reference.commit_kv import slot_address
 from .greedy import GreedyStep
+from .sampled import SampledStep
 
 CACHE_RTOL = 2e-4       # committed cache rows, device float32 vs reference float64
 
@@ -60,11 +61,15 @@ def graph_mode_available() -> bool:
 
 
 def build_step(model: ToyMLA, continuation, sizes: DemoSizes, *, mode: str, accuracy: float,
-               seed: int) -> GreedyStep:
-    """A GreedyStep around fresh device copies of the toy target and drafter."""
+               seed: int, sampling: dict | None = None) -> GreedyStep:
+    """A GreedyStep (or, with ``sampling`` = ``{"temperature": .., "top_k": .., "top_p":
+    ..}``, a SampledStep) around fresh device copies of the toy target and drafter."""
     drafter = ToyDrafter(continuation, vocab=model.config.vocab, accuracy=accuracy, seed=seed)
-    return GreedyStep(DeviceToyMLA(model), drafter, bs=sizes.bs, L=sizes.L, K=sizes.K,
-                      budget=sizes.budget, max_steps=sizes.steps, mode=mode, seed=seed)
+    common = dict(bs=sizes.bs, L=sizes.L, K=sizes.K, budget=sizes.budget,
+                  max_steps=sizes.steps, mode=mode, seed=seed)
+    if sampling:
+        return SampledStep(DeviceToyMLA(model), drafter, **sampling, **common)
+    return GreedyStep(DeviceToyMLA(model), drafter, **common)
 
 
 def _committed_rows(cache, table, prefix_lens, page_size):
@@ -116,6 +121,42 @@ def checked_run(step: GreedyStep, model: ToyMLA, starts, *, out=print) -> dict:
     return {"tokens": step.tokens(), "history": history}
 
 
+def checked_sampled_run(step: SampledStep, model: ToyMLA, starts, sampling: dict, *,
+                        out=print) -> dict:
+    """Decode ``step.max_steps`` sampled steps, checking each against the reference sampled
+    step on the same drafter logits (the same uniforms, bit for bit; the same accepted
+    tokens)."""
+    table = step.block_table.copy_to_host()
+    layers, num_pages, page_size, _ = step.target.kv_cache.shape
+    model.allocate(bs=step.bs, N=step.N, num_pages=num_pages, page_size=page_size,
+                   max_pages=table.shape[1])
+    params = {name: np.broadcast_to(np.asarray(value, dtype), (step.bs,)).copy()
+              for (name, value), dtype in zip(sampling.items(),
+                                              (np.float32, np.int32, np.float32), strict=True)}
+    roots, prefix = np.asarray(starts, np.int32).copy(), np.zeros(step.bs, np.int32)
+    step.start(starts)
+    history = []
+    for s in range(step.max_steps):
+        step()
+        got = step.last_step()
+        want = ref.sampled_step(model, FixedDrafter(got["draft_logits"]), roots, table, prefix,
+                                k=step.K, budget=step.budget, seed=step.seed, **params)
+        same = (np.array_equal(got["uniforms"], want.uniforms)
+                and np.array_equal(got["accept"].accept_nodes, want.accept.accept_nodes)
+                and np.array_equal(got["accept"].accept_tokens, want.accept.accept_tokens)
+                and np.array_equal(got["prefix_lens"], want.prefix_lens))
+        if not same:
+            raise AssertionError(f"step {s}: the device step disagrees with the reference")
+        accept = got["accept"]
+        for b in range(step.bs):
+            k = int(accept.accept_len[b])
+            out(f"step {s} req {b}: accepted {k} -> tokens "
+                f"{accept.accept_tokens[b, : k + 1].tolist()}")
+        history.append({"tree": got["tree"], "accept": accept})
+        roots, prefix = want.accept.bonus_token.copy(), want.prefix_lens
+    return {"tokens": step.tokens(), "history": history}
+
+
 def timed_run(step: GreedyStep, starts) -> dict:
     """Host time per ``step()`` call and wall time per step (one synchronisation at the end)."""
     step.start(starts)
@@ -133,8 +174,19 @@ def timed_run(step: GreedyStep, starts) -> dict:
 
 
 def run_demo(*, bs=None, steps=None, L=None, k=None, budget=None, accuracy: float = 0.8,
-             seed: int = 0, plot: str | None = None, out=print) -> dict:
-    """Decode with the toy MLA target and check the result (see the module docstring)."""
+             seed: int = 0, plot: str | None = None, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, out=print) -> dict:
+    """Decode with the toy MLA target and check the result (see the module docstring).
+
+    ``temperature > 0`` decodes by sampling (:class:`~ddtree_numba.step.sampled.SampledStep`,
+    with ``top_k`` and ``top_p``): every step is checked against the reference sampled step,
+    and on a GPU graph mode against eager; plain greedy decoding is then no longer the
+    expected output."""
+    if temperature > 0:
+        return _run_sampled_demo(bs=bs, steps=steps, L=L, k=k, budget=budget,
+                                 accuracy=accuracy, seed=seed, out=out,
+                                 sampling={"temperature": temperature, "top_k": top_k,
+                                           "top_p": top_p})
     base = default_sizes(not K.SIMULATOR)
     def given(value, default):          # 0 is a value (GreedyStep refuses it), not "default"
         return default if value is None else value
@@ -204,4 +256,52 @@ def run_demo(*, bs=None, steps=None, L=None, k=None, budget=None, accuracy: floa
         f"decoding: {lossless}")
     if not lossless:
         raise AssertionError("speculative output differs from plain greedy decoding")
+    return summary
+
+
+def _run_sampled_demo(*, bs, steps, L, k, budget, accuracy, seed, sampling, out) -> dict:
+    base = default_sizes(not K.SIMULATOR)
+    def given(value, default):
+        return default if value is None else value
+
+    sizes = DemoSizes(bs=given(bs, base.bs), steps=given(steps, base.steps), L=given(L, base.L),
+                      K=given(k, base.K), budget=given(budget, base.budget), config=base.config)
+    model = ToyMLA(sizes.config)
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, sizes.config.vocab, sizes.bs).astype(np.int32)
+    length = sizes.steps * (min(sizes.L, sizes.budget) + 1)
+    greedy = np.array([model.greedy(int(s), length) for s in starts], np.int32)
+    continuation = np.concatenate([starts[:, None], greedy], axis=1)
+    out(f"toy MLA target, sampled: temperature {sampling['temperature']}, top-k "
+        f"{sampling['top_k']}, top-p {sampling['top_p']}, seed {seed}; bs {sizes.bs}, L "
+        f"{sizes.L}, K {sizes.K}, budget {sizes.budget}; the drafter guesses the greedy "
+        f"continuation (accuracy {accuracy})\n")
+    t0 = time.perf_counter()
+    step = build_step(model, continuation, sizes, mode="eager", accuracy=accuracy, seed=seed,
+                      sampling=sampling)
+    checked = checked_sampled_run(step, model, starts, sampling, out=out)
+    tokens = checked["tokens"]
+    mean_accept = float(np.mean([int(h["accept"].accept_len[b]) for h in checked["history"]
+                                 for b in range(sizes.bs)]))
+    out("")
+    for b in range(sizes.bs):
+        out(f"request {b}: start {starts[b]} -> {tokens[b]}")
+    out(f"\n{sum(map(len, tokens))} tokens in {sizes.steps} steps x {sizes.bs} requests: mean "
+        f"accepted length {mean_accept:.2f} draft tokens per step; "
+        f"{time.perf_counter() - t0:.1f} s ({'CUDA simulator' if K.SIMULATOR else 'GPU'}, "
+        f"reference checks included)")
+    summary = {"tokens": tokens, "mean_accept_len": mean_accept, "sizes": sizes}
+    if graph_mode_available():
+        timings = {mode: timed_run(build_step(model, continuation, sizes, mode=mode,
+                                              accuracy=accuracy, seed=seed, sampling=sampling),
+                                   starts) for mode in ("eager", "graph")}
+        same = all(t["tokens"] == tokens for t in timings.values())
+        out("time per step: " + "; ".join(f"{m} {t['host_us']:.0f} us host, "
+                                          f"{t['wall_us']:.0f} us wall"
+                                          for m, t in timings.items()))
+        out(f"graph == eager, token for token: {same}")
+        summary.update(timings=timings, graph_matches_eager=same)
+        if not same:
+            raise AssertionError("the CUDA-graph step emitted different tokens from eager")
+    out("device step == reference sampled step at every step: True")
     return summary

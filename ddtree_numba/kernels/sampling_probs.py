@@ -1,0 +1,175 @@
+"""The sampling distribution on the GPU: ``kernels.sampling_probs`` (temperature, top-k,
+top-p per request), the reference's math (``reference.sampling_probs``) in float32.
+
+One block per row of logits (grid ``bs N``, ``PROB_THREADS`` threads; the row belongs to
+request ``row // N``). Thread ``tid`` owns the columns ``tid, tid + T, ...`` of the row and
+folds them in that order; block results come from a tree in shared memory
+(``_primitives.block_sum`` / ``block_max``), so every sum has one fixed order and a row's
+result never depends on the rest of the launch. The row is read, not stored: each pass
+recomputes ``z = x / T`` (and ``exp``) from the logits.
+
+* ``T = 0``: the first index of the maximum (a block argmax), then a one-hot row.
+* the maximum of ``z``;
+* top-k (``0 < k < V``): the k-th largest ``z`` exactly, as an order-preserving 32-bit key
+  (``_primitives.key_of_float``) built bit by bit from the top: a bit is set when at least
+  ``k`` values have a key at or above the candidate (32 counting passes, integer and exact);
+* ``w = exp(z - max)`` of the kept tokens and their sum;
+* top-p (``p < 1``): the largest ``tau`` whose kept mass ``sum(w >= tau)`` reaches ``p sum(w)``,
+  again bit by bit over the bits of the non-negative float ``w`` (31 passes of float32 sums in
+  the fixed order);
+* the final sum and ``probs = w / sum`` for the kept tokens, 0 elsewhere.
+
+Up to ``4 + 32 + 31`` passes over the row when both filters are on: simple, and slow for
+large vocabularies (a radix select with 8-bit digits would take 8); temperature alone is 3.
+Every thread reaches every barrier (the branches on ``T``, ``k``, ``p`` are per row: uniform
+over the block). Unchecked inputs stay in bounds: the row's request is ``row // N``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32, int32, uint32
+
+from ..validation import check_sampling_probs
+from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream
+from ._primitives import block_max, block_sum, float_to_bits, key_of_float
+
+PROB_THREADS = 32 if SIMULATOR else 256
+NEG_INF = float32(-math.inf)
+
+
+@cuda.jit(device=True, inline=True)
+def _argmax_first(logits, row, red, red_i, tid, V):
+    """The first index of the row's maximum: each thread's first maximum in column order,
+    then the block's largest value and, among equal values, the smallest index."""
+    value, index = NEG_INF, int32(V)
+    for col in range(tid, V, PROB_THREADS):
+        if logits[row, col] > value or index == V:
+            value, index = logits[row, col], int32(col)
+    top = block_max(red, value, tid, PROB_THREADS)
+    candidate = index if value == top else int32(V)
+    return -block_max(red_i, -candidate, tid, PROB_THREADS)
+
+
+@cuda.jit(device=True, inline=True)
+def _count_at_least(logits, row, T, key, red_i, tid, V):
+    """How many ``z = x / T`` of the row have an order key ``>= key``."""
+    count = int32(0)
+    for col in range(tid, V, PROB_THREADS):
+        if key_of_float(logits[row, col] / T) >= key:
+            count += 1
+    return block_sum(red_i, count, tid, PROB_THREADS)
+
+
+@cuda.jit(device=True, inline=True)
+def _weight(x, T, z_max, kth_key, tau_bits):
+    """``exp(z - max)`` of a token that top-k (key ``>= kth_key``) and top-p (bits ``>=
+    tau_bits``) keep, else 0."""
+    z = x / T
+    if key_of_float(z) < kth_key:
+        return float32(0.0)
+    w = math.exp(z - z_max)
+    return w if float_to_bits(w) >= tau_bits else float32(0.0)
+
+
+@cuda.jit(device=True, inline=True)
+def _kept_mass(logits, row, T, z_max, kth_key, tau_bits, red, tid, V):
+    """The float32 sum of the kept weights, each thread in column order, then the tree."""
+    mass = float32(0.0)
+    for col in range(tid, V, PROB_THREADS):
+        mass += _weight(logits[row, col], T, z_max, kth_key, tau_bits)
+    return block_sum(red, mass, tid, PROB_THREADS)
+
+
+@cuda.jit
+def _sampling_probs_kernel(logits, temperature, top_k, top_p, N, probs):
+    red = cuda.shared.array(PROB_THREADS, float32)
+    red_i = cuda.shared.array(PROB_THREADS, int32)
+    row = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    V = logits.shape[1]
+    b = row // N
+    T = temperature[b]
+    if T == 0:                                  # greedy: one-hot at the first maximum
+        best = _argmax_first(logits, row, red, red_i, tid, V)
+        for col in range(tid, V, PROB_THREADS):
+            probs[row, col] = float32(1.0) if col == best else float32(0.0)
+        return                                  # (T is the same for the whole block)
+    z_max = NEG_INF
+    for col in range(tid, V, PROB_THREADS):
+        z_max = max(z_max, logits[row, col] / T)
+    z_max = block_max(red, z_max, tid, PROB_THREADS)
+
+    kth_key = uint32(0)                         # top-k: the k-th largest z's key
+    k = top_k[b]
+    if 0 < k < V:
+        for bit in range(31, -1, -1):
+            candidate = kth_key | (uint32(1) << uint32(bit))
+            if _count_at_least(logits, row, T, candidate, red_i, tid, V) >= k:
+                kth_key = candidate
+    total = _kept_mass(logits, row, T, z_max, kth_key, uint32(0), red, tid, V)
+
+    tau_bits = uint32(0)                        # top-p: the largest tau reaching p total
+    p = top_p[b]
+    if p < 1:
+        target = p * total
+        for bit in range(30, -1, -1):           # w >= 0: bit 31 (the sign) stays 0
+            candidate = tau_bits | (uint32(1) << uint32(bit))
+            if _kept_mass(logits, row, T, z_max, kth_key, candidate, red, tid, V) >= target:
+                tau_bits = candidate
+        total = _kept_mass(logits, row, T, z_max, kth_key, tau_bits, red, tid, V)
+    for col in range(tid, V, PROB_THREADS):
+        probs[row, col] = _weight(logits[row, col], T, z_max, kth_key, tau_bits) / total
+
+
+def allocate_probs(bs: int, N: int, V: int):
+    """Device buffer for :func:`sampling_probs`'s ``out=`` (``float32[bs, N, V]``)."""
+    return device_empty((bs, N, V), np.float32)
+
+
+def sampling_probs(logits, temperature, top_k, top_p, *, check=None, out=None):
+    """The sampling distribution of every row of ``logits`` on the GPU (one launch, no sync).
+
+    Parameters
+    ----------
+    logits, temperature, top_k, top_p : array
+        As in :func:`ddtree_numba.reference.sampling_probs` (numpy or device arrays).
+    check : bool, optional
+        Value checks (temperatures, top-k, top-p, no NaN or +inf logits); default: on for
+        numpy inputs only.
+    out : device array, optional
+        ``float32[bs, N, V]`` (:func:`allocate_probs`).
+
+    Returns
+    -------
+    device array
+        ``float32[bs, N, V]``; within float32 rounding of the reference (the same kept
+        tokens except where a partial mass lies within rounding of ``p sum(w)``).
+    """
+    sz = check_sampling_probs(logits, temperature, top_k, top_p, check=check)
+    if out is None:
+        out = allocate_probs(sz.bs, sz.N, sz.V)
+    if tuple(out.shape) != (sz.bs, sz.N, sz.V):
+        raise ValueError(f"out: expected float32[{sz.bs}, {sz.N}, {sz.V}] (allocate_probs), "
+                         f"got {list(out.shape)}")
+    rows = sz.bs * sz.N
+    if rows:
+        flat = as_device(logits).reshape(rows, sz.V)
+        launch(_sampling_probs_kernel, rows, PROB_THREADS, launch_stream())(
+            flat, as_device(temperature), as_device(top_k), as_device(top_p), sz.N,
+            out.reshape(rows, sz.V))
+    return out
+
+
+def build_specs():
+    """Specialisations launched by :func:`sampling_probs` (for the build report)."""
+    from numba import types
+
+    from ._specs import KernelSpec
+
+    f2, f1 = types.float32[:, ::1], types.float32[::1]
+    sig = (f2, f1, types.int32[::1], f1, types.int64, f2)
+    return [KernelSpec("sampling_probs", "temperature top-k top-p", _sampling_probs_kernel,
+                       sig, PROB_THREADS, True)]

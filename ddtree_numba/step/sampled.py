@@ -1,0 +1,115 @@
+"""``SampledStep``: one DDTree step that samples (temperature > 0), on the device, eager or as one
+CUDA graph; lossless in distribution for any drafter.
+
+The greedy step with its last verification stages replaced::
+
+    ... target.forward                          -> target logits     [bs N, V]
+    kernels.sampling_probs                      -> probabilities     [bs, N, V]
+                                                   (per request: temperature, top-k, top-p)
+    kernels.sample_uniforms                     -> uniforms [bs, N], bonus uniforms [bs]
+                                                   (Philox keyed by seed, request, position)
+    kernels.tree_sample                         -> AcceptResult      (the target-only walk)
+    kernels.commit_kv, advance                  (as in the greedy step)
+
+The drafter, the tree and the cache bookkeeping are the greedy step's: target-only sampling
+needs no draft probabilities, so the drafter's top-K tree is verified as it is. A request with
+temperature 0 gets a one-hot distribution at the target's argmax, and the walk then accepts
+exactly what greedy verification accepts: a batch may mix greedy and sampled requests. The
+uniforms are keyed by each request's prefix length, which lives on the device, so a captured
+graph draws new uniforms at every replay, and a run is reproducible from its seed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from .. import kernels
+from ..kernels.sample_uniforms import allocate_uniforms, sample_uniforms
+from ..kernels.sampling_probs import allocate_probs, sampling_probs
+from ..validation import check_sampling_probs, require_int
+from .greedy import GreedyStep
+
+
+def _per_request(name, value, bs, dtype) -> np.ndarray:
+    """A scalar or ``bs`` values as a ``dtype[bs]`` array."""
+    a = np.asarray(value)
+    if a.ndim == 0:
+        a = np.full(bs, a)
+    if a.shape != (bs,):
+        raise ValueError(f"{name}: expected a number or {bs} values (one per request), got "
+                         f"shape {list(a.shape)}")
+    if dtype == np.int32 and not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"{name}: expected ints, got {a.dtype}")
+    if not (np.issubdtype(a.dtype, np.integer) or np.issubdtype(a.dtype, np.floating)):
+        raise TypeError(f"{name}: expected numbers, got {a.dtype}")
+    return a.astype(dtype)
+
+
+class SampledStep(GreedyStep):
+    """Static buffers and launches of sampled DDTree steps for a fixed batch.
+
+    Parameters
+    ----------
+    target, drafter, bs, L, K, budget, max_steps, page_size, mode, ops
+        As for :class:`~ddtree_numba.GreedyStep`.
+    temperature : float or sequence of float
+        Per request (or one for all), ``>= 0``; 0 decodes that request greedily.
+    top_k : int or sequence of int
+        Per request, ``>= 0``; 0 keeps every token.
+    top_p : float or sequence of float
+        Per request, in ``(0, 1]``; 1 keeps every token.
+    seed : int
+        In ``[0, 2^64)``: keys the uniforms (and the page shuffle).
+    """
+
+    def __init__(self, target, drafter, *, bs: int, L: int, K: int, budget: int,
+                 max_steps: int, temperature=1.0, top_k=0, top_p=1.0, page_size: int = 16,
+                 mode: str = "eager", ops=None, seed: int = 0):
+        seed = require_int("seed", seed, low=0, high=2**64 - 1)
+        bs = require_int("bs", bs, low=1)
+        t = _per_request("temperature", temperature, bs, np.float32)
+        k = _per_request("top_k", top_k, bs, np.int32)
+        p = _per_request("top_p", top_p, bs, np.float32)
+        # the parameters' checks, on a one-token row of logits per request
+        check_sampling_probs(np.zeros((bs, 1, 1), np.float32), t, k, p, check=True)
+        super().__init__(target, drafter, bs=bs, L=L, K=K, budget=budget, max_steps=max_steps,
+                         page_size=page_size, mode=mode, ops=ops, seed=seed % 2**32)
+        self.seed = seed
+        self.temperature, self.top_k, self.top_p = (cuda.to_device(a) for a in (t, k, p))
+        self.probs = allocate_probs(self.bs, self.N, target.vocab)
+        self.uniforms, self.bonus_uniforms = allocate_uniforms(self.bs, self.N)
+
+    def stages(self) -> list:
+        """The greedy step's stages, with ``argmax`` and ``tree_accept`` replaced by
+        ``sampling_probs``, ``sample_uniforms`` and ``tree_sample``."""
+        replaced = {"argmax": [("sampling_probs", self._sampling_probs),
+                               ("sample_uniforms", self._sample_uniforms)],
+                    "tree_accept": [("tree_sample", self._tree_sample)]}
+        stages = []
+        for name, launch in super().stages():
+            stages += replaced.get(name, [(name, launch)])
+        return stages
+
+    def _sampling_probs(self):
+        logits = self.target_logits.reshape(self.bs, self.N, self.target.vocab)
+        sampling_probs(logits, self.temperature, self.top_k, self.top_p, check=False,
+                       out=self.probs)
+
+    def _sample_uniforms(self):
+        sample_uniforms(self.seed, self.prefix_lens, self.N, check=False,
+                        out=(self.uniforms, self.bonus_uniforms))
+
+    def _tree_sample(self):
+        kernels.tree_sample(self.tree.token_ids, self.tree.next_token, self.tree.next_sibling,
+                            self.probs, self.uniforms, self.bonus_uniforms, check=False,
+                            out=self.accept)
+
+    def last_step(self) -> dict:
+        """As :meth:`GreedyStep.last_step`, plus the step's probabilities and uniforms (its
+        ``target_predict`` is not computed by a sampled step)."""
+        out = super().last_step()
+        out.pop("target_predict")
+        out.update(probs=self.probs.copy_to_host(), uniforms=self.uniforms.copy_to_host(),
+                   bonus_uniforms=self.bonus_uniforms.copy_to_host())
+        return out
