@@ -5,7 +5,7 @@ H200, as measured (benchmarks/NOTES.md):
 
 * ``latency``: one dependent chain on one warp (build_tree's pops) -> SM clock ratio;
 * ``issue``: instruction issue over the whole GPU (draft_topk, verify_attn, its tensor-core
-  variant at 18-26 % of the mma.sync ceiling: one block of 8 warps an SM on both chips)
+  variant at 17-26 % of the mma.sync ceiling: one block of 8 warps an SM on both chips)
   -> (SMs x clock);
 * ``launch``: a few microseconds of graph launch and DRAM latency (tree_accept, commit_kv)
   -> unchanged.
@@ -65,7 +65,7 @@ def projection() -> list:
             out.append((f"verify_attn bs={bs} N={r['N']} P={r['prefix']} H={r['H']}",
                         "issue", float(r["gpu_us"]), bs * T * 576 * 4))
     for r in rows("verify_attn_mma"):       # the tensor-core variant, bf16 cache: latency-
-        bs, T = int(r["bs"]), int(r["prefix"]) + int(r["N"])    # and issue-bound (18-26 % of
+        bs, T = int(r["bs"]), int(r["prefix"]) + int(r["N"])    # and issue-bound (3-26 % of
         out.append((f"verify_attn mma bf16 bs={bs} N={r['N']} P={r['prefix']} H={r['H']}",
                     "issue", float(r["mma_us"]), bs * T * 576 * 2))   # the tensor pipe)
     result = []

@@ -50,37 +50,23 @@ def int_in(low: int, high: int):
     return parse
 
 
-def probability(text):
-    """argparse ``type=``: a float in [0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is None or not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1], got {text}")
-    return value
+def float_in(accepts, expected: str):
+    """argparse ``type=``: a float for which ``accepts(value)`` holds, else the error
+    ``expected <expected>, got <text>``."""
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+        if value is None or not accepts(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+        return value
+    return parse
 
 
-def non_negative(text):
-    """argparse ``type=``: a finite float >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is None or not 0.0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
-    return value
-
-
-def top_p_value(text):
-    """argparse ``type=``: a float in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is None or not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
-    return value
+probability = float_in(lambda v: 0.0 <= v <= 1.0, "a probability in [0, 1]")
+non_negative = float_in(lambda v: 0.0 <= v < float("inf"), "a finite number >= 0")
+top_p_value = float_in(lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")
 
 
 def output_file(suffixes):
@@ -179,6 +165,9 @@ def _demo(args) -> int:
     if args.temperature > 0 and args.plot:
         raise CommandError("--plot: the tree plot is drawn by the greedy demo; leave out "
                            "--temperature (or set it to 0)")
+    if args.temperature == 0 and (args.top_k != 0 or args.top_p != 1.0):
+        option = "--top-k" if args.top_k != 0 else "--top-p"
+        raise CommandError(f"{option}: applies when sampling; add --temperature T > 0")
     from .models.toy_mla import ToyMLAConfig
 
     backend = choose_backend()

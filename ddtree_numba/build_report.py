@@ -277,8 +277,9 @@ def check_resources(spec, res: Resources, limits: ArchLimits) -> list:
         problems.append(f"uses a {res.stack} B stack frame (local memory)")
     if res.shared > STATIC_SMEM_PER_BLOCK:
         problems.append(f"static shared memory {res.shared} B > {STATIC_SMEM_PER_BLOCK} B")
-    if res.shared + limits.reserved_smem_per_block > limits.smem_per_sm:
-        problems.append(f"shared memory {res.shared} B does not fit one SM")
+    total = res.shared + spec.dynamic_shared    # what a block launches with
+    if total + limits.reserved_smem_per_block > limits.smem_per_sm:
+        problems.append(f"shared memory {total} B does not fit one SM")
     if spec.threads > 1024 or occupancy(res, spec.threads, limits)["blocks_per_sm"] < 1:
         problems.append(f"{spec.threads} threads x {res.registers} registers cannot launch")
     return problems
@@ -297,11 +298,9 @@ def report_row(spec, cc) -> dict:
         return {**row, "problems": [f"does not build for sm_{cc[0]}{cc[1]}: {message}"]}
     if spec.cuda_sources:       # tensor-core kernels: HMMA present, no CALL into the wrappers
         row["sass"] = sass_counts(cubin)
-    problems = check_resources(spec, res, limits)   # (the 48 KiB rule: static memory only)
-    if spec.dynamic_shared:     # the launch adds its dynamic shared memory to every block
-        res = replace(res, shared=res.shared + spec.dynamic_shared)
-        if res.shared + limits.reserved_smem_per_block > limits.smem_per_sm:
-            problems.append(f"shared memory {res.shared} B does not fit one SM")
+    problems = check_resources(spec, res, limits)
+    # the report's shared memory and occupancy: static plus what the launch adds dynamically
+    res = replace(res, shared=res.shared + spec.dynamic_shared)
     return {**row, **asdict(res), **occupancy(res, spec.threads, limits),
             "dynamic_shared": spec.dynamic_shared, "problems": problems}
 

@@ -47,3 +47,8 @@ MAX_ELEMENTS = 2**31
 #: of 64 tokens in static shared memory (4096 x 4 bytes); Kimi-K2 has 163 840 tokens,
 #: DeepSeek-V3 129 280.
 MAX_VOCAB = 4096 * 64
+
+#: Temperatures below this sample greedily (as vLLM's ``_SAMPLING_EPS``): logits divided by a
+#: tinier temperature overflow float32, and the distribution is a one-hot at float32 precision
+#: long before that.
+GREEDY_TEMPERATURE = 1e-5

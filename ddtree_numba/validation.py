@@ -37,7 +37,7 @@ from .arrays import (
     dtype_name,
     host_values,
 )
-from .limits import MAX_ELEMENTS, MAX_POSITION, ceil_words
+from .limits import GREEDY_TEMPERATURE, MAX_ELEMENTS, MAX_POSITION, ceil_words
 
 
 def _expected(dtypes, dims) -> str:
@@ -511,26 +511,40 @@ class SamplingSizes:
     V: int
 
 
-def check_sampling_probs(logits, temperature, top_k, top_p, *, check=None) -> SamplingSizes:
-    """``logits`` ``float32[bs, N, V]`` (finite or -inf, at least one finite value per row);
-    per request ``temperature`` ``float32[bs]`` (finite, ``>= 0``), ``top_k`` ``int32[bs]``
-    (``>= 0``; 0 keeps every token) and ``top_p`` ``float32[bs]`` in ``(0, 1]``."""
+def check_sampling_params(temperature, top_k, top_p, *, check=None) -> int:
+    """Per request ``temperature`` ``float32[bs]`` (finite, ``>= 0``; below
+    ``limits.GREEDY_TEMPERATURE`` greedy), ``top_k`` ``int32[bs]`` (``>= 0``; 0 keeps every
+    token) and ``top_p`` ``float32[bs]`` in ``(0, 1]``; returns ``bs``."""
     sizes: dict = {}
-    infos = [require_array("logits", logits, (FLOAT32,), ("bs", "N", "V"), sizes),
-             require_array("temperature", temperature, (FLOAT32,), ("bs",), sizes),
+    infos = [require_array("temperature", temperature, (FLOAT32,), ("bs",), sizes),
              require_array("top_k", top_k, (INT32,), ("bs",), sizes),
              require_array("top_p", top_p, (FLOAT32,), ("bs",), sizes)]
-    if sizes["V"] < 1:
-        raise ValueError("logits: expected a vocabulary of at least 1 token")
     if _values_wanted(infos, check):
         t, k, p = host_values(temperature), host_values(top_k), host_values(top_p)
-        for name, bad, want in (("temperature", ~(np.isfinite(t) & (t >= 0)), "finite, >= 0"),
-                                ("top_k", k < 0, ">= 0 (0: no top-k)"),
-                                ("top_p", ~((p > 0) & (p <= 1)), "in (0, 1]")):
+        for name, values, bad, want in (
+                ("temperature", t, ~(np.isfinite(t) & (t >= 0)), "finite, >= 0"),
+                ("top_k", k, k < 0, ">= 0 (0: no top-k)"),
+                ("top_p", p, ~((p > 0) & (p <= 1)), "in (0, 1]")):
             if bad.any():
                 b = int(np.flatnonzero(bad)[0])
-                value = (t, k, p)[("temperature", "top_k", "top_p").index(name)][b]
-                raise ValueError(f"{name}: expected {want}, got {value} in request {b}")
+                raise ValueError(f"{name}: expected {want}, got {values[b]} in request {b}")
+    return sizes["bs"]
+
+
+def check_sampling_probs(logits, temperature, top_k, top_p, *, check=None) -> SamplingSizes:
+    """``logits`` ``float32[bs, N, V]`` (finite or -inf, at least one finite value per row, and
+    finite once divided by the request's temperature); the parameters as for
+    :func:`check_sampling_params`."""
+    sizes: dict = {}
+    info = require_array("logits", logits, (FLOAT32,), ("bs", "N", "V"), sizes)
+    if sizes["V"] < 1:
+        raise ValueError("logits: expected a vocabulary of at least 1 token")
+    wanted = _values_wanted([info, array_info("temperature", temperature)], check)
+    bs = check_sampling_params(temperature, top_k, top_p, check=wanted)
+    if bs != sizes["bs"]:
+        raise ValueError(f"temperature: expected float32[bs={sizes['bs']}] (one per request "
+                         f"of logits), got {bs} values")
+    if wanted:
         values = host_values(logits)
         bad = np.isnan(values) | (values == np.inf)
         if bad.any():
@@ -540,6 +554,15 @@ def check_sampling_probs(logits, temperature, top_k, top_p, *, check=None) -> Sa
         if empty.any():
             raise ValueError(f"logits: expected at least one finite value per row, row "
                              f"{_first_index(empty)} has none")
+        t = host_values(temperature)
+        for b in np.flatnonzero(t >= GREEDY_TEMPERATURE):
+            finite = values[b][np.isfinite(values[b])]
+            with np.errstate(over="ignore"):
+                scaled = np.abs(finite).max() / np.float32(t[b])
+            if not np.isfinite(scaled):
+                raise ValueError(f"temperature: {float(t[b]):.6g} in request {int(b)} makes "
+                                 f"its logits overflow float32 (largest |logit| "
+                                 f"{float(np.abs(finite).max()):.6g})")
     return SamplingSizes(sizes["bs"], sizes["N"], sizes["V"])
 
 

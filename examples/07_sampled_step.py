@@ -114,7 +114,7 @@ report("temperature 0, token for token against greedy decoding",
        sampled_tokens == greedy_tokens)
 
 sampling = {"temperature": 0.8, "top_k": 0, "top_p": 1.0}
-run = checked_sampled_run(make(SampledStep, seed=1, **sampling), model, starts, sampling,
+run = checked_sampled_run(make(SampledStep, seed=1, **sampling), model, starts,
                           out=lambda line: None)
 report("every sampled device step (the reference sampled step)", True)
 print(f"request 0 at temperature 0.8: {run['tokens'][0]}")

@@ -31,6 +31,8 @@ BAD = [
     (["demo", "--top-k", "-1"], "--top-k: expected an int in [0, 262144], got -1"),
     (["demo", "--temperature", "1", "--plot", "t.png"], "--plot: the tree plot is drawn by the "
                                                         "greedy demo"),
+    (["demo", "--top-p", "0.9"], "--top-p: applies when sampling; add --temperature T > 0"),
+    (["demo", "--top-k", "5"], "--top-k: applies when sampling; add --temperature T > 0"),
     (["fixtures", "out", "--cases", "-1"], "--cases: expected an int in [1, 1000], got -1"),
     (["fixtures", "out", "--seed", "-1"], "--seed: expected an int in [0, 4294967295], got -1"),
     (["build-report", "--json", "--markdown"], "--markdown: not allowed with argument --json"),

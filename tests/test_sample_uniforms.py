@@ -80,6 +80,9 @@ def test_argument_errors_are_clear():
         K.sample_uniforms(0, np.array([0, -1], np.int32), 3)
     with pytest.raises(TypeError, match="prefix_lens: expected int32"):
         ref.sample_uniforms(0, np.zeros(2, np.int64), 3)
-    out = K.allocate_uniforms(2, 4)
-    with pytest.raises(ValueError, match="out: expected float32"):
-        K.sample_uniforms(0, p, 3, out=out)
+    with pytest.raises(ValueError, match=r"out\[0\]: expected float32\[bs=2, N=3\]"):
+        K.sample_uniforms(0, p, 3, out=K.allocate_uniforms(2, 4))
+    with pytest.raises(TypeError, match=r"out\[1\]: expected float32"):
+        K.sample_uniforms(0, p, 3, out=(K.allocate_uniforms(2, 3)[0], np.zeros(2, np.int32)))
+    with pytest.raises(TypeError, match="out: expected a tuple"):
+        K.sample_uniforms(0, p, 3, out=K.allocate_uniforms(2, 3)[0])

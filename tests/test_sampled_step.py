@@ -125,3 +125,15 @@ def test_sampled_demo_checks_itself():
                        out=lines.append)
     assert lines[-1] == "device step == reference sampled step at every step: True"
     assert len(summary["tokens"][0]) >= 2
+
+
+def test_values_the_cast_would_change_are_refused():
+    model, starts, continuation = toy(bs=2)
+    target = DeviceToyMLA(model)
+    drafter = ToyDrafter(continuation, vocab=model.config.vocab, accuracy=0.7, seed=0)
+    base = dict(bs=2, L=3, K=2, budget=4, max_steps=2)
+    for options, match in (({"top_k": 2**32}, "top_k: expected a value that int32 holds"),
+                           ({"top_p": 1e-50}, "top_p: expected a value that float32 holds"),
+                           ({"temperature": 1e300}, "temperature: expected a value that float32")):
+        with pytest.raises(ValueError, match=match):
+            SampledStep(target, drafter, **base, **options)

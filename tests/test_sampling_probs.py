@@ -121,3 +121,18 @@ def test_argument_errors_are_clear():
         ref.sampling_probs(x, T, k.astype(np.int64), p)
     with pytest.raises(ValueError, match="out: expected float32"):
         K.sampling_probs(x, T, k, p, out=K.allocate_probs(2, 1, 5))
+    with pytest.raises(TypeError, match="out: expected float32"):
+        K.sampling_probs(x, T, k, p, out=np.zeros((2, 1, 4), np.int32))
+    with pytest.raises(ValueError, match="temperature: 0.0001 in request 0 makes its "
+                                         "logits overflow"):
+        big = np.full((2, 1, 4), 3e35, np.float32)
+        ref.sampling_probs(big, np.full(2, 1e-4, np.float32), k, p)
+
+
+def test_temperatures_below_the_greedy_threshold_are_greedy():
+    """Below 1e-5 (vLLM's threshold) a row is a one-hot at its argmax: no overflow, no NaN."""
+    x = np.array([[[0.5, 2.0, 2.0, -1.0]]], np.float32)
+    for T in (0.0, 1e-40, 9.9e-6):
+        args = (x, np.array([T], np.float32), np.zeros(1, np.int32), np.ones(1, np.float32))
+        np.testing.assert_array_equal(ref.sampling_probs(*args), [[[0, 1, 0, 0]]])
+        np.testing.assert_array_equal(K.sampling_probs(*args).copy_to_host(), [[[0, 1, 0, 0]]])

@@ -27,7 +27,7 @@ from ..reference.sample_uniforms import (
     STREAM_BONUS,
     STREAM_NODE,
 )
-from ..validation import check_sample_uniforms
+from ..validation import check_sample_uniforms, require_array
 from ._device import as_device, device_empty, launch, launch_stream
 
 UNIFORM_THREADS = 128
@@ -95,11 +95,13 @@ def sample_uniforms(seed, prefix_lens, N: int, *, check=None, out=None) -> tuple
     sz = check_sample_uniforms(seed, prefix_lens, N, check=check)
     if out is None:
         out = allocate_uniforms(sz.bs, sz.N)
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise TypeError(f"out: expected a tuple (uniforms, bonus) from allocate_uniforms, got "
+                        f"{type(out).__name__}")
     uniforms, bonus = out
-    if tuple(uniforms.shape) != (sz.bs, sz.N) or tuple(bonus.shape) != (sz.bs,):
-        raise ValueError(f"out: expected float32[{sz.bs}, {sz.N}] and float32[{sz.bs}] "
-                         f"(allocate_uniforms), got {list(uniforms.shape)} and "
-                         f"{list(bonus.shape)}")
+    sizes = {"bs": sz.bs, "N": sz.N}
+    require_array("out[0]", uniforms, (np.float32,), ("bs", "N"), sizes)
+    require_array("out[1]", bonus, (np.float32,), ("bs",), sizes)
     threads = sz.bs * (sz.N + 1)
     if threads:
         launch(_uniforms_kernel, math.ceil(threads / UNIFORM_THREADS), UNIFORM_THREADS,

@@ -8,7 +8,8 @@ folds them in that order; block results come from a tree in shared memory
 result never depends on the rest of the launch. The row is read, not stored: each pass
 recomputes ``z = x / T`` (and ``exp``) from the logits.
 
-* ``T = 0``: the first index of the maximum (a block argmax), then a one-hot row.
+* ``T < limits.GREEDY_TEMPERATURE`` (1e-5): the first index of the maximum (a block argmax),
+  then a one-hot row.
 * the maximum of ``z``;
 * top-k (``0 < k < V``): the k-th largest ``z`` exactly, as an order-preserving 32-bit key
   (``_primitives.key_of_float``) built bit by bit from the top: a bit is set when at least
@@ -32,12 +33,14 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from ..validation import check_sampling_probs
+from ..limits import GREEDY_TEMPERATURE
+from ..validation import check_sampling_probs, require_array
 from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream
 from ._primitives import block_max, block_sum, float_to_bits, key_of_float
 
 PROB_THREADS = 32 if SIMULATOR else 256
 NEG_INF = float32(-math.inf)
+GREEDY_BELOW = float32(GREEDY_TEMPERATURE)
 
 
 @cuda.jit(device=True, inline=True)
@@ -92,7 +95,7 @@ def _sampling_probs_kernel(logits, temperature, top_k, top_p, N, probs):
     V = logits.shape[1]
     b = row // N
     T = temperature[b]
-    if T == 0:                                  # greedy: one-hot at the first maximum
+    if T < GREEDY_BELOW:                        # greedy: one-hot at the first maximum
         best = _argmax_first(logits, row, red, red_i, tid, V)
         for col in range(tid, V, PROB_THREADS):
             probs[row, col] = float32(1.0) if col == best else float32(0.0)
@@ -146,14 +149,14 @@ def sampling_probs(logits, temperature, top_k, top_p, *, check=None, out=None):
     -------
     device array
         ``float32[bs, N, V]``; within float32 rounding of the reference (the same kept
-        tokens except where a partial mass lies within rounding of ``p sum(w)``).
+        tokens except where weights tie in float32 or a partial mass lies within rounding of
+        ``p sum(w)``).
     """
     sz = check_sampling_probs(logits, temperature, top_k, top_p, check=check)
     if out is None:
         out = allocate_probs(sz.bs, sz.N, sz.V)
-    if tuple(out.shape) != (sz.bs, sz.N, sz.V):
-        raise ValueError(f"out: expected float32[{sz.bs}, {sz.N}, {sz.V}] (allocate_probs), "
-                         f"got {list(out.shape)}")
+    require_array("out", out, (np.float32,), ("bs", "N", "V"),
+                  {"bs": sz.bs, "N": sz.N, "V": sz.V})
     rows = sz.bs * sz.N
     if rows:
         flat = as_device(logits).reshape(rows, sz.V)

@@ -36,6 +36,8 @@ PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85       # key increments (golden rat
 PHILOX_ROUNDS = 10
 STREAM_NODE, STREAM_BONUS = 0x0DD7EE00, 0x0DD7EE01  # counter word 3: which kind of uniform
 _MASK = np.uint64(0xFFFFFFFF)
+_U64 = {name: np.uint64(value) for name, value in (("M0", PHILOX_M0), ("M1", PHILOX_M1),
+                                                    ("W0", PHILOX_W0), ("W1", PHILOX_W1))}
 
 
 def philox4x32(counter, key) -> np.ndarray:
@@ -45,8 +47,9 @@ def philox4x32(counter, key) -> np.ndarray:
     k0, k1 = (np.asarray(key, np.uint64)[..., i] for i in range(2))
     for r in range(PHILOX_ROUNDS):
         if r:                                   # the key schedule: bumped between rounds
-            k0, k1 = (k0 + PHILOX_W0) & _MASK, (k1 + PHILOX_W1) & _MASK
-        p0, p1 = np.uint64(PHILOX_M0) * c[0], np.uint64(PHILOX_M1) * c[2]
+            k0, k1 = (k0 + _U64["W0"]) & _MASK, (k1 + _U64["W1"]) & _MASK
+        p0, p1 = _U64["M0"] * c[0], _U64["M1"] * c[2]   # (uint64 constants: numpy 1.x
+        #                                                   would promote a Python int to float)
         c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & _MASK,
              (p0 >> np.uint64(32)) ^ c[3] ^ k1, p0 & _MASK]
     return np.stack(c, -1).astype(np.uint32)

@@ -4,8 +4,9 @@ samples from (temperature, then top-k, then top-p), per request.
 For request ``b`` with temperature ``T``, ``k = top_k[b]`` and ``p = top_p[b]``, each row of
 logits ``x`` (float32, ``V`` values) becomes::
 
-    T = 0:      one-hot at argmax(x), the smallest index on ties (exactly greedy decoding: the
-                sampled walk then accepts what greedy verification accepts)
+    T < 1e-5:   one-hot at argmax(x), the smallest index on ties (exactly greedy decoding: the
+                sampled walk then accepts what greedy verification accepts); 1e-5 is
+                ``limits.GREEDY_TEMPERATURE``, vLLM's threshold
     z        = x / T                              float32 division
     top-k    : 0 < k < V keeps the tokens with z >= the k-th largest z (ties at it kept);
                k = 0 or k >= V keeps every token
@@ -23,13 +24,16 @@ at the threshold where this keeps all of it.
 
 Here ``exp`` and the sums are float64; the kernel (``kernels.sampling_probs``) computes in
 float32, so its probabilities agree within a few float32 ulps, and its kept sets agree
-except where a partial mass lies within float32 rounding of ``p sum(w)``.
+except where weights that differ in float64 tie in float32 (logits within ~1e-7 of each other
+relative to their size: the kernel keeps the whole tie) or a partial mass lies within float32
+rounding of ``p sum(w)``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ..limits import GREEDY_TEMPERATURE
 from ..validation import check_sampling_probs
 
 
@@ -41,7 +45,7 @@ def sampling_probs(logits, temperature, top_k, top_p) -> np.ndarray:
     logits : numpy.ndarray
         ``float32[bs, N, V]``: the target's logits after each tree node (finite or ``-inf``).
     temperature : numpy.ndarray
-        ``float32[bs]``, ``>= 0``; 0 is greedy.
+        ``float32[bs]``, ``>= 0``; below 1e-5 greedy.
     top_k : numpy.ndarray
         ``int32[bs]``, ``>= 0``; 0 keeps every token.
     top_p : numpy.ndarray
@@ -62,7 +66,7 @@ def sampling_probs(logits, temperature, top_k, top_p) -> np.ndarray:
 
 def _row(x, T, k, p) -> np.ndarray:
     V = len(x)
-    if T == 0:
+    if T < GREEDY_TEMPERATURE:
         row = np.zeros(V, np.float32)
         row[int(np.argmax(x))] = 1                      # np.argmax: first index on ties
         return row

@@ -121,18 +121,17 @@ def checked_run(step: GreedyStep, model: ToyMLA, starts, *, out=print) -> dict:
     return {"tokens": step.tokens(), "history": history}
 
 
-def checked_sampled_run(step: SampledStep, model: ToyMLA, starts, sampling: dict, *,
-                        out=print) -> dict:
+def checked_sampled_run(step: SampledStep, model: ToyMLA, starts, *, out=print) -> dict:
     """Decode ``step.max_steps`` sampled steps, checking each against the reference sampled
-    step on the same drafter logits (the same uniforms, bit for bit; the same accepted
-    tokens)."""
+    step with the step's own parameters, on the same drafter logits: the same uniforms, bit for
+    bit, and the same accepted tokens (which the float32-vs-float64 probabilities could only
+    change for logits that tie in float32 or a uniform within rounding of a partial sum)."""
     table = step.block_table.copy_to_host()
     layers, num_pages, page_size, _ = step.target.kv_cache.shape
     model.allocate(bs=step.bs, N=step.N, num_pages=num_pages, page_size=page_size,
                    max_pages=table.shape[1])
-    params = {name: np.broadcast_to(np.asarray(value, dtype), (step.bs,)).copy()
-              for (name, value), dtype in zip(sampling.items(),
-                                              (np.float32, np.int32, np.float32), strict=True)}
+    params = {"temperature": step.temperature.copy_to_host(),
+              "top_k": step.top_k.copy_to_host(), "top_p": step.top_p.copy_to_host()}
     roots, prefix = np.asarray(starts, np.int32).copy(), np.zeros(step.bs, np.int32)
     step.start(starts)
     history = []
@@ -173,6 +172,42 @@ def timed_run(step: GreedyStep, starts) -> dict:
             "wall_us": 1e6 * wall}
 
 
+def _problem(bs, steps, L, k, budget, seed):
+    """The demo's sizes (defaults for this backend where ``None``), the toy model, the start
+    tokens and the drafter's view of the future (the greedy continuation)."""
+    base = default_sizes(not K.SIMULATOR)
+    def given(value, default):          # 0 is a value (GreedyStep refuses it), not "default"
+        return default if value is None else value
+
+    sizes = DemoSizes(bs=given(bs, base.bs), steps=given(steps, base.steps), L=given(L, base.L),
+                      K=given(k, base.K), budget=given(budget, base.budget), config=base.config)
+    model = ToyMLA(sizes.config)
+    starts = np.random.default_rng(seed).integers(0, sizes.config.vocab,
+                                                  sizes.bs).astype(np.int32)
+    length = sizes.steps * (min(sizes.L, sizes.budget) + 1)
+    greedy = np.array([model.greedy(int(s), length) for s in starts], np.int32)
+    continuation = np.concatenate([starts[:, None], greedy], axis=1)
+    return sizes, model, starts, greedy, continuation
+
+
+def _graph_against_eager(model, continuation, sizes, starts, tokens, *, accuracy, seed,
+                         sampling, out) -> dict:
+    """On a GPU with CuPy: time eager and graph steps, and check both emit ``tokens``."""
+    if not graph_mode_available():
+        out("time per step: eager only here (CUDA graphs need a GPU and CuPy)")
+        return {}
+    timings = {mode: timed_run(build_step(model, continuation, sizes, mode=mode,
+                                          accuracy=accuracy, seed=seed, sampling=sampling),
+                               starts) for mode in ("eager", "graph")}
+    same = all(t["tokens"] == tokens for t in timings.values())
+    out("time per step: " + "; ".join(f"{m} {t['host_us']:.0f} us host, {t['wall_us']:.0f} us "
+                                      f"wall" for m, t in timings.items()))
+    out(f"graph == eager, token for token: {same}")
+    if not same:
+        raise AssertionError("the CUDA-graph step emitted different tokens from eager")
+    return {"timings": timings, "graph_matches_eager": same}
+
+
 def run_demo(*, bs=None, steps=None, L=None, k=None, budget=None, accuracy: float = 0.8,
              seed: int = 0, plot: str | None = None, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, out=print) -> dict:
@@ -181,25 +216,16 @@ def run_demo(*, bs=None, steps=None, L=None, k=None, budget=None, accuracy: floa
     ``temperature > 0`` decodes by sampling (:class:`~ddtree_numba.step.sampled.SampledStep`,
     with ``top_k`` and ``top_p``): every step is checked against the reference sampled step,
     and on a GPU graph mode against eager; plain greedy decoding is then no longer the
-    expected output."""
+    expected output, and ``plot`` is not drawn."""
     if temperature > 0:
+        if plot:
+            raise ValueError("plot: the tree plot is drawn by the greedy demo (temperature 0)")
         return _run_sampled_demo(bs=bs, steps=steps, L=L, k=k, budget=budget,
                                  accuracy=accuracy, seed=seed, out=out,
                                  sampling={"temperature": temperature, "top_k": top_k,
                                            "top_p": top_p})
-    base = default_sizes(not K.SIMULATOR)
-    def given(value, default):          # 0 is a value (GreedyStep refuses it), not "default"
-        return default if value is None else value
-
-    sizes = DemoSizes(bs=given(bs, base.bs), steps=given(steps, base.steps), L=given(L, base.L),
-                      K=given(k, base.K), budget=given(budget, base.budget), config=base.config)
-    model = ToyMLA(sizes.config)
-    rng = np.random.default_rng(seed)
-    starts = rng.integers(0, sizes.config.vocab, sizes.bs).astype(np.int32)
-    length = sizes.steps * (min(sizes.L, sizes.budget) + 1)
+    sizes, model, starts, greedy, continuation = _problem(bs, steps, L, k, budget, seed)
     t0 = time.perf_counter()
-    greedy = np.array([model.greedy(int(s), length) for s in starts], np.int32)
-    continuation = np.concatenate([starts[:, None], greedy], axis=1)
     out(f"toy MLA target: {sizes.config.layers} layers, {sizes.config.heads} heads, "
         f"Dc {sizes.config.kv_lora_rank}, Dr {sizes.config.qk_rope_dim}, vocab "
         f"{sizes.config.vocab}; bs {sizes.bs}, L {sizes.L}, K {sizes.K}, budget "
@@ -223,23 +249,8 @@ def run_demo(*, bs=None, steps=None, L=None, k=None, budget=None, accuracy: floa
         f"included)")
     summary = {"tokens": tokens, "mean_accept_len": mean_accept, "lossless": lossless,
                "sizes": sizes}
-
-    if graph_mode_available():
-        timings = {}
-        for mode in ("eager", "graph"):
-            timed = timed_run(build_step(model, continuation, sizes, mode=mode,
-                                         accuracy=accuracy, seed=seed), starts)
-            timings[mode] = timed
-        same = all(timings[m]["tokens"] == tokens for m in timings)
-        out("time per step: " + "; ".join(
-            f"{m} {t['host_us']:.0f} us host, {t['wall_us']:.0f} us wall"
-            for m, t in timings.items()))
-        out(f"graph == eager, token for token: {same}")
-        summary.update(timings=timings, graph_matches_eager=same)
-        if not same:
-            raise AssertionError("the CUDA-graph step emitted different tokens from eager")
-    else:
-        out("time per step: eager only here (CUDA graphs need a GPU and CuPy)")
+    summary.update(_graph_against_eager(model, continuation, sizes, starts, tokens,
+                                        accuracy=accuracy, seed=seed, sampling=None, out=out))
 
     if plot:
         from ..plot import draw_tree
@@ -260,18 +271,7 @@ def run_demo(*, bs=None, steps=None, L=None, k=None, budget=None, accuracy: floa
 
 
 def _run_sampled_demo(*, bs, steps, L, k, budget, accuracy, seed, sampling, out) -> dict:
-    base = default_sizes(not K.SIMULATOR)
-    def given(value, default):
-        return default if value is None else value
-
-    sizes = DemoSizes(bs=given(bs, base.bs), steps=given(steps, base.steps), L=given(L, base.L),
-                      K=given(k, base.K), budget=given(budget, base.budget), config=base.config)
-    model = ToyMLA(sizes.config)
-    rng = np.random.default_rng(seed)
-    starts = rng.integers(0, sizes.config.vocab, sizes.bs).astype(np.int32)
-    length = sizes.steps * (min(sizes.L, sizes.budget) + 1)
-    greedy = np.array([model.greedy(int(s), length) for s in starts], np.int32)
-    continuation = np.concatenate([starts[:, None], greedy], axis=1)
+    sizes, model, starts, _, continuation = _problem(bs, steps, L, k, budget, seed)
     out(f"toy MLA target, sampled: temperature {sampling['temperature']}, top-k "
         f"{sampling['top_k']}, top-p {sampling['top_p']}, seed {seed}; bs {sizes.bs}, L "
         f"{sizes.L}, K {sizes.K}, budget {sizes.budget}; the drafter guesses the greedy "
@@ -279,7 +279,7 @@ def _run_sampled_demo(*, bs, steps, L, k, budget, accuracy, seed, sampling, out)
     t0 = time.perf_counter()
     step = build_step(model, continuation, sizes, mode="eager", accuracy=accuracy, seed=seed,
                       sampling=sampling)
-    checked = checked_sampled_run(step, model, starts, sampling, out=out)
+    checked = checked_sampled_run(step, model, starts, out=out)
     tokens = checked["tokens"]
     mean_accept = float(np.mean([int(h["accept"].accept_len[b]) for h in checked["history"]
                                  for b in range(sizes.bs)]))
@@ -291,17 +291,8 @@ def _run_sampled_demo(*, bs, steps, L, k, budget, accuracy, seed, sampling, out)
         f"{time.perf_counter() - t0:.1f} s ({'CUDA simulator' if K.SIMULATOR else 'GPU'}, "
         f"reference checks included)")
     summary = {"tokens": tokens, "mean_accept_len": mean_accept, "sizes": sizes}
-    if graph_mode_available():
-        timings = {mode: timed_run(build_step(model, continuation, sizes, mode=mode,
-                                              accuracy=accuracy, seed=seed, sampling=sampling),
-                                   starts) for mode in ("eager", "graph")}
-        same = all(t["tokens"] == tokens for t in timings.values())
-        out("time per step: " + "; ".join(f"{m} {t['host_us']:.0f} us host, "
-                                          f"{t['wall_us']:.0f} us wall"
-                                          for m, t in timings.items()))
-        out(f"graph == eager, token for token: {same}")
-        summary.update(timings=timings, graph_matches_eager=same)
-        if not same:
-            raise AssertionError("the CUDA-graph step emitted different tokens from eager")
+    summary.update(_graph_against_eager(model, continuation, sizes, starts, tokens,
+                                        accuracy=accuracy, seed=seed, sampling=sampling,
+                                        out=out))
     out("device step == reference sampled step at every step: True")
     return summary

@@ -16,7 +16,9 @@ needs no draft probabilities, so the drafter's top-K tree is verified as it is. 
 temperature 0 gets a one-hot distribution at the target's argmax, and the walk then accepts
 exactly what greedy verification accepts: a batch may mix greedy and sampled requests. The
 uniforms are keyed by each request's prefix length, which lives on the device, so a captured
-graph draws new uniforms at every replay, and a run is reproducible from its seed.
+graph draws new uniforms at every replay, and a run is reproducible from its seed: ``start()``
+again with the same roots draws the same uniforms and emits the same tokens (build the step
+with another seed for another sample).
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ from numba import cuda
 from .. import kernels
 from ..kernels.sample_uniforms import allocate_uniforms, sample_uniforms
 from ..kernels.sampling_probs import allocate_probs, sampling_probs
-from ..validation import check_sampling_probs, require_int
+from ..limits import MAX_BATCH
+from ..validation import check_sampling_params, require_int
 from .greedy import GreedyStep
 
 
 def _per_request(name, value, bs, dtype) -> np.ndarray:
-    """A scalar or ``bs`` values as a ``dtype[bs]`` array."""
+    """A scalar or ``bs`` values as a ``dtype[bs]`` array, refusing values the cast would
+    change (an int past int32, a float that float32 rounds to another side of a limit)."""
     a = np.asarray(value)
     if a.ndim == 0:
         a = np.full(bs, a)
@@ -43,7 +47,19 @@ def _per_request(name, value, bs, dtype) -> np.ndarray:
         raise TypeError(f"{name}: expected ints, got {a.dtype}")
     if not (np.issubdtype(a.dtype, np.integer) or np.issubdtype(a.dtype, np.floating)):
         raise TypeError(f"{name}: expected numbers, got {a.dtype}")
-    return a.astype(dtype)
+    with np.errstate(over="ignore"):            # an overflow is caught just below
+        cast = a.astype(dtype)
+    if dtype == np.int32:                       # an int past int32 would wrap around
+        changed = np.array([x != y for x, y in zip(a.tolist(), cast.tolist(), strict=True)])
+    else:                                       # a float the cast moves across 0, 1 or inf
+        wide, narrow = a.astype(np.float64), cast.astype(np.float64)
+        changed = (((wide > 0) != (narrow > 0)) | ((wide <= 1) != (narrow <= 1))
+                   | (np.isfinite(wide) != np.isfinite(narrow)))
+    if changed.any():
+        b = int(np.flatnonzero(changed)[0])
+        raise ValueError(f"{name}: expected a value that {np.dtype(dtype).name} holds, got "
+                         f"{a[b]} in request {b}")
+    return cast
 
 
 class SampledStep(GreedyStep):
@@ -54,7 +70,8 @@ class SampledStep(GreedyStep):
     target, drafter, bs, L, K, budget, max_steps, page_size, mode, ops
         As for :class:`~ddtree_numba.GreedyStep`.
     temperature : float or sequence of float
-        Per request (or one for all), ``>= 0``; 0 decodes that request greedily.
+        Per request (or one for all), ``>= 0``; 0 (below 1e-5) decodes that request
+        greedily.
     top_k : int or sequence of int
         Per request, ``>= 0``; 0 keeps every token.
     top_p : float or sequence of float
@@ -67,14 +84,13 @@ class SampledStep(GreedyStep):
                  max_steps: int, temperature=1.0, top_k=0, top_p=1.0, page_size: int = 16,
                  mode: str = "eager", ops=None, seed: int = 0):
         seed = require_int("seed", seed, low=0, high=2**64 - 1)
-        bs = require_int("bs", bs, low=1)
+        bs = require_int("bs", bs, low=1, high=MAX_BATCH)
         t = _per_request("temperature", temperature, bs, np.float32)
         k = _per_request("top_k", top_k, bs, np.int32)
         p = _per_request("top_p", top_p, bs, np.float32)
-        # the parameters' checks, on a one-token row of logits per request
-        check_sampling_probs(np.zeros((bs, 1, 1), np.float32), t, k, p, check=True)
+        check_sampling_params(t, k, p, check=True)
         super().__init__(target, drafter, bs=bs, L=L, K=K, budget=budget, max_steps=max_steps,
-                         page_size=page_size, mode=mode, ops=ops, seed=seed % 2**32)
+                         page_size=page_size, mode=mode, ops=ops, seed=seed)
         self.seed = seed
         self.temperature, self.top_k, self.top_p = (cuda.to_device(a) for a in (t, k, p))
         self.probs = allocate_probs(self.bs, self.N, target.vocab)

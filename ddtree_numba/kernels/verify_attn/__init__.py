@@ -130,7 +130,7 @@ def _stages_for(device_id: int, Dc: int, Dr: int) -> int:
 
 
 def _mma_stages(Dc: int, Dr: int) -> int:
-    """Staged tiles of the mma variant on this GPU: ``MMA_STAGES`` (82.75 KB of shared memory
+    """Staged tiles of the mma variant on this GPU: ``MMA_STAGES`` (91.75 KB of shared memory
     for 576-wide rows, within sm_120's 99 KB and the H200's 227 KB), fewer where it does not
     fit, 0 where not even two do."""
     return _stages_for(cuda.get_current_device().id, Dc, Dr)

@@ -102,7 +102,7 @@ ROW_TILES = WARPS // KSPLIT     # 16-row tiles per block (the M of one mma each)
 BM = 16 * ROW_TILES             # query rows per block: 32
 BN = 32             # slots per staged tile: the N of four score mma, the K of two P V mma
 NT = BN // 8        # 8-slot n-tiles of the scores per tile
-BLOCKS_PER_SM = 1   # launch bounds: up to 255 registers (210 on sm_90; 128 would spill)
+BLOCKS_PER_SM = 1   # launch bounds: up to 255 registers (222 on sm_90; 128 would spill)
 RESCALE_BELOW = 8.0     # the reference max of a row moves only when a score passes it by
                         # more than this (base 2): probabilities up to 2^8, rare rescales
 P_STRIDE = BN + 8   # probability tile row stride in 16-bit values (80 bytes: see below)
@@ -132,8 +132,8 @@ class SharedLayout(NamedTuple):
 
 def shared_layout(Dc: int, Dr: int, stages: int) -> SharedLayout:
     """Where each region lives in the dynamic shared memory of ``kernel(kind, Dc, Dr,
-    stages)``; ``total`` is the launch's dynamic size (82.75 KB for 512 + 64 wide rows and 4
-    stages, 47.6 KB with 2)."""
+    stages)``; ``total`` is the launch's dynamic size (91.75 KB for 512 + 64 wide rows and 2
+    stages, 128.25 KB with 3)."""
     tile = BN * (Dc + Dr + 8) * 2
     partial = stages * tile
     probs = partial + ROW_TILES * KSPLIT * NT * 32 * 16
