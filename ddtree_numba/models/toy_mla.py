@@ -194,34 +194,57 @@ class ToyMLA:
             (values of the cache's type: rounded before any token attends to them).
         """
         c = self.config
-        H, Dc, dn, Dr = c.heads, c.kv_lora_rank, c.qk_nope_dim, c.qk_rope_dim
         n, P = len(tokens), prefix_rows.shape[1]
         mask = np.concatenate([np.ones((n, P), bool), np.asarray(visible, bool)], axis=1)
         x = self.embed[np.asarray(tokens)].astype(np.float64)               # [n, D]
         new_rows = np.empty((c.layers, n, c.row_width), np.float32)
+        every_head, every_column = slice(0, c.heads), slice(0, c.ffn)
         for layer, w in enumerate(self.layers):
             h = rms_norm(x, w.attn_norm)
-            q = (h @ w.w_q).reshape(n, H, dn + Dr)
-            q_nope, q_pe = q[..., :dn], rope(q[..., dn:], positions, c.rope_theta)
-            kv = h @ w.w_kv_a
-            new_rows[layer, :, :Dc] = rms_norm(kv[:, :Dc], w.kv_norm)
-            new_rows[layer, :, Dc:] = rope(kv[:, Dc:], positions, c.rope_theta)
-            new_rows[layer] = self.rounded_to_cache(new_rows[layer])
+            new_rows[layer] = self.cache_rows(w, h, positions)
             rows = np.concatenate([prefix_rows[layer], new_rows[layer]]).astype(np.float64)
-            latent, rope_key = rows[:, :Dc], rows[:, Dc:]                   # [T, Dc], [T, Dr]
-            k_nope = latent @ w.w_uk                                        # [H, T, dn]
-            value = latent @ w.w_uv                                         # [H, T, dv]
-            scores = (q_nope.transpose(1, 0, 2) @ k_nope.transpose(0, 2, 1)
-                      + q_pe.transpose(1, 0, 2) @ rope_key.T) * c.sm_scale  # [H, n, T]
-            scores = np.where(mask[None], scores, -np.inf)
-            p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-            p /= p.sum(axis=-1, keepdims=True)
-            heads = (p @ value).transpose(1, 0, 2).reshape(n, -1)           # [n, H * dv]
-            x = x + heads @ w.w_o
-            h = rms_norm(x, w.ffn_norm)
-            gate_up = h @ w.w_gate_up
-            x = x + (silu(gate_up[:, : c.ffn]) * gate_up[:, c.ffn:]) @ w.w_down
+            x = x + self.attention(w, h, positions, rows, mask, every_head)
+            x = x + self.mlp(w, rms_norm(x, w.ffn_norm), every_column)
         return rms_norm(x, self.final_norm) @ self.lm_head, new_rows
+
+    # -- the forward's pieces (a tensor-parallel rank runs them on its heads and columns) ---
+    def cache_rows(self, w: LayerWeights, h, positions) -> np.ndarray:
+        """The new cache rows ``float32[n, Dc + Dr]`` of one layer (latent normalised, rope key
+        rotated, both rounded to the cache's type)."""
+        c = self.config
+        kv = h @ w.w_kv_a
+        rows = np.empty((len(h), c.row_width), np.float32)
+        rows[:, : c.kv_lora_rank] = rms_norm(kv[:, : c.kv_lora_rank], w.kv_norm)
+        rows[:, c.kv_lora_rank:] = rope(kv[:, c.kv_lora_rank:], positions, c.rope_theta)
+        return self.rounded_to_cache(rows)
+
+    def attention(self, w: LayerWeights, h, positions, rows, mask, heads: slice) -> np.ndarray:
+        """The attention output of ``heads`` through their rows of ``W_o``: ``[n, D]``, the
+        layer's whole residual update when ``heads`` is every head, one rank's share of it
+        under tensor parallelism (the shares sum to the whole)."""
+        c = self.config
+        H, Dc, dn, Dr, dv = c.heads, c.kv_lora_rank, c.qk_nope_dim, c.qk_rope_dim, c.v_head_dim
+        n = len(h)
+        q = (h @ w.w_q).reshape(n, H, dn + Dr)[:, heads]
+        q_nope, q_pe = q[..., :dn], rope(q[..., dn:], positions, c.rope_theta)
+        latent, rope_key = rows[:, :Dc], rows[:, Dc:]                       # [T, Dc], [T, Dr]
+        k_nope = latent @ w.w_uk[heads]                                     # [h, T, dn]
+        value = latent @ w.w_uv[heads]                                      # [h, T, dv]
+        scores = (q_nope.transpose(1, 0, 2) @ k_nope.transpose(0, 2, 1)
+                  + q_pe.transpose(1, 0, 2) @ rope_key.T) * c.sm_scale      # [h, n, T]
+        scores = np.where(mask[None], scores, -np.inf)
+        p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+        out = (p @ value).transpose(1, 0, 2).reshape(n, -1)                 # [n, h dv]
+        return out @ w.w_o[heads.start * dv: heads.stop * dv]
+
+    def mlp(self, w: LayerWeights, h, columns: slice) -> np.ndarray:
+        """The MLP's output through the ``columns`` of its hidden layer: ``[n, D]``, the whole
+        update when ``columns`` is every column, a rank's share under tensor parallelism."""
+        F = self.config.ffn
+        gate = h @ w.w_gate_up[:, columns]
+        up = h @ w.w_gate_up[:, F + columns.start: F + columns.stop]
+        return (silu(gate) * up) @ w.w_down[columns]
 
     def rounded_to_cache(self, rows: np.ndarray) -> np.ndarray:
         """``rows`` (float32) rounded to the cache's type, as float32 values."""
