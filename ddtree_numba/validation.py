@@ -151,14 +151,20 @@ class TreeSizes:
         return ceil_words(self.N)
 
 
-def check_prefix_range(prefix_lens, N: int):
-    """``0 <= P`` and ``P + N <= MAX_POSITION`` for every request: tree positions
-    ``P + depth`` and slots ``P + j`` (``j < N``) and the committed length ``P + k + 1`` are
-    int32 on the device and must not wrap around."""
+def check_prefix_not_negative(prefix_lens) -> np.ndarray:
+    """Every ``P >= 0``; returns the values as int64."""
     p = host_values(prefix_lens).astype(np.int64)
     if (p < 0).any():
         b = int(np.flatnonzero(p < 0)[0])
         raise ValueError(f"prefix_lens: expected values >= 0, got {int(p[b])} in request {b}")
+    return p
+
+
+def check_prefix_range(prefix_lens, N: int):
+    """``0 <= P`` and ``P + N <= MAX_POSITION`` for every request: tree positions
+    ``P + depth`` and slots ``P + j`` (``j < N``) and the committed length ``P + k + 1`` are
+    int32 on the device and must not wrap around."""
+    p = check_prefix_not_negative(prefix_lens)
     over = p + N > MAX_POSITION
     if over.any():
         b = int(np.flatnonzero(over)[0])
@@ -497,10 +503,7 @@ def check_sample_uniforms(seed, prefix_lens, N, *, check=None) -> UniformSizes:
     sizes: dict = {}
     info = require_array("prefix_lens", prefix_lens, (INT32,), ("bs",), sizes)
     if _values_wanted([info], check):
-        p = host_values(prefix_lens)
-        if (p < 0).any():
-            b = int(np.flatnonzero(p < 0)[0])
-            raise ValueError(f"prefix_lens: expected values >= 0, got {int(p[b])} in request {b}")
+        check_prefix_not_negative(prefix_lens)  # (any int32 P is a position to key by)
     return UniformSizes(sizes["bs"], N, seed)
 
 

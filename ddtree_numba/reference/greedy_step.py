@@ -80,16 +80,30 @@ def greedy_step(target: Target, drafter: Drafter, root_token_ids, block_table, p
         The drafter's logits, the tree, the target's predictions, the accepted path and the
         new prefix lengths.
     """
+    prefix_lens = np.asarray(prefix_lens)
+    draft_logits, tree = draft_tree(drafter, root_token_ids, prefix_lens, k=k, budget=budget)
+    logits = target.forward(tree, block_table, prefix_lens)
+    target_predict = argmax_per_node(logits, tree.num_nodes)
+    accept = tree_accept(tree.token_ids, tree.next_token, tree.next_sibling, target_predict)
+    new_prefix_lens = commit_step(target, block_table, prefix_lens, accept)
+    return StepOutput(draft_logits, tree, target_predict, accept, new_prefix_lens)
+
+
+def draft_tree(drafter: Drafter, root_token_ids, prefix_lens, *, k: int, budget: int) -> tuple:
+    """The stages before the target, shared by the greedy and the sampled step: the drafter's
+    logits ``[bs, L, V]`` and the best-first tree built from their per-depth top ``k``."""
     root_token_ids = np.asarray(root_token_ids)
     prefix_lens = np.asarray(prefix_lens)
     draft_logits = np.asarray(drafter.draft(root_token_ids, prefix_lens))
     top_log_probs, top_token_ids = draft_topk(draft_logits, k)
     tree = build_tree(top_log_probs, top_token_ids, root_token_ids, budget,
                       prefix_lens=prefix_lens)
-    logits = target.forward(tree, block_table, prefix_lens)
-    target_predict = argmax_per_node(logits, tree.num_nodes)
-    accept = tree_accept(tree.token_ids, tree.next_token, tree.next_sibling, target_predict)
+    return draft_logits, tree
+
+
+def commit_step(target: Target, block_table, prefix_lens, accept: AcceptResult) -> np.ndarray:
+    """The stages after verification, shared by the greedy and the sampled step: every layer's
+    accepted rows moved behind the prefix; returns the new prefix lengths ``P + k + 1``."""
     for cache in target.kv_caches():
         commit_kv(cache, block_table, prefix_lens, accept.accept_nodes, accept.accept_len)
-    new_prefix_lens = (prefix_lens + accept.accept_len + 1).astype(np.int32)
-    return StepOutput(draft_logits, tree, target_predict, accept, new_prefix_lens)
+    return (prefix_lens + accept.accept_len + 1).astype(np.int32)

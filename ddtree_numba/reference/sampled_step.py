@@ -21,9 +21,7 @@ import numpy as np
 
 from ..contracts import AcceptResult, DraftTree
 from ..interfaces import Drafter, Target
-from .build_tree import build_tree
-from .commit_kv import commit_kv
-from .draft_topk import draft_topk
+from .greedy_step import commit_step, draft_tree
 from .sample_uniforms import sample_uniforms
 from .sampling_probs import sampling_probs
 from .tree_sample import tree_sample
@@ -56,12 +54,8 @@ def sampled_step(target: Target, drafter: Drafter, root_token_ids, block_table, 
     seed : int
         The run's key (:func:`~ddtree_numba.reference.sample_uniforms`).
     """
-    root_token_ids = np.asarray(root_token_ids)
     prefix_lens = np.asarray(prefix_lens)
-    draft_logits = np.asarray(drafter.draft(root_token_ids, prefix_lens))
-    top_log_probs, top_token_ids = draft_topk(draft_logits, k)
-    tree = build_tree(top_log_probs, top_token_ids, root_token_ids, budget,
-                      prefix_lens=prefix_lens)
+    draft_logits, tree = draft_tree(drafter, root_token_ids, prefix_lens, k=k, budget=budget)
     bs, N = tree.token_ids.shape
     logits = np.array(target.forward(tree, block_table, prefix_lens), np.float32)
     logits = logits.reshape(bs, N, -1)
@@ -70,7 +64,5 @@ def sampled_step(target: Target, drafter: Drafter, root_token_ids, block_table, 
     uniforms, bonus = sample_uniforms(seed, prefix_lens, N)
     accept = tree_sample(tree.token_ids, tree.next_token, tree.next_sibling, probs, uniforms,
                          bonus)
-    for cache in target.kv_caches():
-        commit_kv(cache, block_table, prefix_lens, accept.accept_nodes, accept.accept_len)
-    new_prefix_lens = (prefix_lens + accept.accept_len + 1).astype(np.int32)
+    new_prefix_lens = commit_step(target, block_table, prefix_lens, accept)
     return SampledOutput(draft_logits, tree, probs, uniforms, bonus, accept, new_prefix_lens)

@@ -81,12 +81,19 @@ def _committed_rows(cache, table, prefix_lens, page_size):
     return np.concatenate(rows, axis=1)
 
 
+def _reference_for(step: GreedyStep, model: ToyMLA) -> tuple:
+    """Give the reference model a cache of the step's geometry (its own, on the host); return
+    the step's block table and page size."""
+    table = step.block_table.copy_to_host()
+    _, num_pages, page_size, _ = step.target.kv_cache.shape
+    model.allocate(bs=step.bs, N=step.N, num_pages=num_pages, page_size=page_size,
+                   max_pages=table.shape[1])
+    return table, page_size
+
+
 def checked_run(step: GreedyStep, model: ToyMLA, starts, *, out=print) -> dict:
     """Decode ``step.max_steps`` steps, checking each against the reference step."""
-    table = step.block_table.copy_to_host()
-    layers, num_pages, page_size, _ = step.target.kv_cache.shape
-    model.allocate(bs=step.bs, N=step.N, num_pages=num_pages, page_size=page_size,
-                   max_pages=table.shape[1])                 # the reference's own cache
+    table, page_size = _reference_for(step, model)
     roots, prefix = np.asarray(starts, np.int32).copy(), np.zeros(step.bs, np.int32)
     step.start(starts)
     history = []
@@ -126,10 +133,7 @@ def checked_sampled_run(step: SampledStep, model: ToyMLA, starts, *, out=print) 
     step with the step's own parameters, on the same drafter logits: the same uniforms, bit for
     bit, and the same accepted tokens (which the float32-vs-float64 probabilities could only
     change for logits that tie in float32 or a uniform within rounding of a partial sum)."""
-    table = step.block_table.copy_to_host()
-    layers, num_pages, page_size, _ = step.target.kv_cache.shape
-    model.allocate(bs=step.bs, N=step.N, num_pages=num_pages, page_size=page_size,
-                   max_pages=table.shape[1])
+    table, _ = _reference_for(step, model)
     params = {"temperature": step.temperature.copy_to_host(),
               "top_k": step.top_k.copy_to_host(), "top_p": step.top_p.copy_to_host()}
     roots, prefix = np.asarray(starts, np.int32).copy(), np.zeros(step.bs, np.int32)
