@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One batched GPU session: the test suite on the device, then every benchmark.
 # Logs and CSVs go to $OUT (the device tool brings them back). Usage, from the repo root:
-#   bash benchmarks/run_gpu.sh [all|tests|bench|profile|attn|attn-mma|attn-profile|small|step]
+#   bash benchmarks/run_gpu.sh [all|tests|bench|profile|attn|attn-mma|attn-profile|small|step|
+#                               sampling]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-benchmarks/results}
@@ -63,6 +64,10 @@ if [ "$what" = step ] || [ "$what" = all ]; then
         | tee "$OUT/bench_step.log" | tail -20
     (cd benchmarks && OUT="$OUT" timeout 300 python3 decode_identity.py) 2>&1 \
         | tee "$OUT/decode_identity.log" | tail -10
+fi
+if [ "$what" = sampling ] || [ "$what" = all ]; then
+    (cd benchmarks && OUT="$OUT" timeout 420 python3 bench_sampling.py) 2>&1 \
+        | grep -v "^{" | tee "$OUT/bench_sampling.log" | tail -20
 fi
 if [ "$what" = small ]; then
     (cd benchmarks && OUT="$OUT" timeout 240 python3 bench_small_kernels.py) 2>&1 \

@@ -420,6 +420,58 @@ def check_tree_accept(token_ids, next_token, next_sibling, target_predict, *,
 PROB_SUM_TOL = 2e-3
 
 
+def _require_sampled_tree(token_ids, next_token, next_sibling, uniforms, bonus_uniforms,
+                          sizes: dict) -> list:
+    """The array checks shared by :func:`check_tree_sample` and
+    :func:`check_tree_sample_logits` (shapes into ``sizes``); returns their infos."""
+    infos = [require_array(name, a, (INT32,), ("bs", "N"), sizes) for name, a in
+             (("token_ids", token_ids), ("next_token", next_token),
+              ("next_sibling", next_sibling))]
+    return infos + [require_array("uniforms", uniforms, (FLOAT32,), ("bs", "N"), sizes),
+                    require_array("bonus_uniforms", bonus_uniforms, (FLOAT32,), ("bs",), sizes)]
+
+
+def _check_sampled_tree_values(token_ids, next_token, next_sibling, uniforms, bonus_uniforms,
+                               V: int) -> list:
+    """The value checks of a tree to walk by sampling: a tree (as for ``tree_accept``),
+    uniforms in ``[0, 1)``, token ids in ``[0, V)`` at the nodes the walk can reach and no token
+    twice among siblings. Returns, per request, the sorted nodes the walk can reach."""
+    sz = check_tree_accept(token_ids, next_token, next_sibling, token_ids, check=True)
+    for name, u in (("uniforms", uniforms), ("bonus_uniforms", bonus_uniforms)):
+        v = host_values(u)
+        bad = ~((v >= 0) & (v < 1))
+        if bad.any():
+            raise ValueError(f"{name}: expected values in [0, 1), got {float(v[bad][0])} "
+                             f"at index {_first_index(bad)}")
+    tokens, first = host_values(token_ids), host_values(next_token)
+    sibling = host_values(next_sibling)
+    reachable = []
+    for b in range(sz.bs):
+        stack, nodes = [0], []
+        while stack:                            # the nodes the walk can reach from the root
+            i = stack.pop()
+            nodes.append(i)
+            child = first[b, i]
+            while child != -1:
+                stack.append(int(child))
+                child = sibling[b, child]
+        for i in nodes[1:]:                     # the tokens the walk looks up
+            if not 0 <= tokens[b, i] < V:
+                raise ValueError(f"token_ids: expected ids in [0, V={V}) at the tree's nodes, "
+                                 f"got {int(tokens[b, i])} at index ({b}, {i})")
+        for i in nodes:                         # a token twice among siblings would count its
+            child, seen = first[b, i], set()    # probability twice: not lossless
+            while child != -1:
+                if int(tokens[b, child]) in seen:
+                    raise ValueError(f"token_ids: the children of node ({b}, {i}) repeat "
+                                     f"token {int(tokens[b, child])}; sibling tokens must "
+                                     f"differ")
+                seen.add(int(tokens[b, child]))
+                child = sibling[b, child]
+        reachable.append(sorted(nodes))
+    return reachable
+
+
 def check_tree_sample(token_ids, next_token, next_sibling, target_probs, uniforms,
                       bonus_uniforms, *, check=None) -> AcceptSizes:
     """The tree lists as for ``tree_accept``; ``target_probs`` ``float32[bs, N, V]`` whose rows
@@ -427,65 +479,50 @@ def check_tree_sample(token_ids, next_token, next_sibling, target_probs, uniform
     :data:`PROB_SUM_TOL`); ``uniforms`` ``float32[bs, N]`` and ``bonus_uniforms`` ``float32[bs]``
     in ``[0, 1)``."""
     sizes: dict = {}
-    infos = [require_array(name, a, (INT32,), ("bs", "N"), sizes) for name, a in
-             (("token_ids", token_ids), ("next_token", next_token),
-              ("next_sibling", next_sibling))]
-    infos += [require_array("target_probs", target_probs, (FLOAT32,), ("bs", "N", "V"), sizes),
-              require_array("uniforms", uniforms, (FLOAT32,), ("bs", "N"), sizes),
-              require_array("bonus_uniforms", bonus_uniforms, (FLOAT32,), ("bs",), sizes)]
+    infos = _require_sampled_tree(token_ids, next_token, next_sibling, uniforms, bonus_uniforms,
+                                  sizes)
+    infos.append(require_array("target_probs", target_probs, (FLOAT32,), ("bs", "N", "V"),
+                               sizes))
     if sizes["V"] < 1:
         raise ValueError("target_probs: expected a vocabulary of at least 1 token")
-    wanted = _values_wanted(infos, check)        # one decision for all six arrays
-    sz = check_tree_accept(token_ids, next_token, next_sibling, token_ids, check=wanted)
+    if not _values_wanted(infos, check):        # one decision for all six arrays
+        return AcceptSizes(sizes["bs"], sizes["N"])
+    reachable = _check_sampled_tree_values(token_ids, next_token, next_sibling, uniforms,
+                                           bonus_uniforms, sizes["V"])
+    probs = host_values(target_probs)
+    for b, nodes in enumerate(reachable):
+        rows = probs[b, : nodes[-1] + 1] if nodes == list(range(len(nodes))) else (
+            probs[b, nodes])                    # a view when the tree is nodes 0..n-1
+        lowest = rows.min(-1)
+        if not (lowest >= 0).all():             # negative or NaN
+            node = int(np.argmax(~(lowest >= 0)))
+            tok = int(np.argmax(~(rows[node] >= 0)))
+            raise ValueError(f"target_probs: expected probabilities (>= 0, not NaN), got "
+                             f"{float(rows[node, tok])} at index ({b}, {nodes[node]}, {tok})")
+        sums = rows.sum(-1, dtype=np.float64)
+        off = np.abs(sums - 1) > PROB_SUM_TOL
+        if off.any():
+            node = int(np.argmax(off))
+            raise ValueError(f"target_probs: expected each tree node's row to sum to 1 "
+                             f"(within {PROB_SUM_TOL}), got {sums[node]:.6g} at node "
+                             f"({b}, {nodes[node]})")
+    return AcceptSizes(sizes["bs"], sizes["N"])
+
+
+def check_tree_sample_logits(token_ids, next_token, next_sibling, logits, temperature, top_k,
+                             top_p, uniforms, bonus_uniforms, *, check=None) -> SamplingSizes:
+    """The tree and uniforms as for :func:`check_tree_sample`; ``logits`` and the parameters
+    as for :func:`check_sampling_probs`."""
+    sizes: dict = {}
+    infos = _require_sampled_tree(token_ids, next_token, next_sibling, uniforms, bonus_uniforms,
+                                  sizes)
+    infos.append(require_array("logits", logits, (FLOAT32,), ("bs", "N", "V"), sizes))
+    wanted = _values_wanted(infos + [array_info("temperature", temperature)], check)
+    sz = check_sampling_probs(logits, temperature, top_k, top_p, check=wanted)
     if wanted:
-        for name, u in (("uniforms", uniforms), ("bonus_uniforms", bonus_uniforms)):
-            v = host_values(u)
-            bad = ~((v >= 0) & (v < 1))
-            if bad.any():
-                raise ValueError(f"{name}: expected values in [0, 1), got {float(v[bad][0])} "
-                                 f"at index {_first_index(bad)}")
-        tokens = host_values(token_ids)
-        probs, first = host_values(target_probs), host_values(next_token)
-        sibling = host_values(next_sibling)
-        for b in range(sz.bs):
-            stack, nodes = [0], []
-            while stack:                        # the nodes the walk can reach from the root
-                i = stack.pop()
-                nodes.append(i)
-                child = first[b, i]
-                while child != -1:
-                    stack.append(int(child))
-                    child = sibling[b, child]
-            for i in nodes[1:]:                 # the tokens the walk looks up
-                if not 0 <= tokens[b, i] < sizes["V"]:
-                    raise ValueError(f"token_ids: expected ids in [0, V={sizes['V']}) at the "
-                                     f"tree's nodes, got {int(tokens[b, i])} at index ({b}, {i})")
-            for i in nodes:                     # a token twice among siblings would count its
-                child, seen = first[b, i], set()    # probability twice: not lossless
-                while child != -1:
-                    if int(tokens[b, child]) in seen:
-                        raise ValueError(f"token_ids: the children of node ({b}, {i}) repeat "
-                                         f"token {int(tokens[b, child])}; sibling tokens must "
-                                         f"differ")
-                    seen.add(int(tokens[b, child]))
-                    child = sibling[b, child]
-            nodes = sorted(nodes)
-            rows = probs[b, : nodes[-1] + 1] if nodes == list(range(len(nodes))) else (
-                probs[b, nodes])                # a view when the tree is nodes 0..n-1
-            lowest = rows.min(-1)
-            if not (lowest >= 0).all():         # negative or NaN
-                node = int(np.argmax(~(lowest >= 0)))
-                tok = int(np.argmax(~(rows[node] >= 0)))
-                raise ValueError(f"target_probs: expected probabilities (>= 0, not NaN), got "
-                                 f"{float(rows[node, tok])} at index ({b}, {nodes[node]}, {tok})")
-            sums = rows.sum(-1, dtype=np.float64)
-            off = np.abs(sums - 1) > PROB_SUM_TOL
-            if off.any():
-                node = int(np.argmax(off))
-                raise ValueError(f"target_probs: expected each tree node's row to sum to 1 "
-                                 f"(within {PROB_SUM_TOL}), got {sums[node]:.6g} at node "
-                                 f"({b}, {nodes[node]})")
-    return AcceptSizes(sz.bs, sz.N)
+        _check_sampled_tree_values(token_ids, next_token, next_sibling, uniforms,
+                                   bonus_uniforms, sz.V)
+    return sz
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,9 @@ proposed, in three stages after the target's forward:
    Philox4x32-10 keyed by (seed, request, position, node): no state, nothing from the host;
 3. ``tree_sample``: walk the tree with samples from the target (target-only verification).
 
+The walk needs the distribution only at the nodes it visits, so the step runs 1 and 3 as one
+kernel, ``tree_sample_logits``, that finds it there and nowhere else (section 4).
+
 :class:`~ddtree_numba.SampledStep` is the greedy step with these three in place of argmax and
 ``tree_accept``. Every stage here is checked against its numpy reference.
 """
@@ -83,7 +86,24 @@ report("the target distribution, within 3 standard errors",
        bool((np.abs(counts / runs - p_row) < 3 * np.sqrt(p_row * (1 - p_row) / runs)).all()))
 
 # %%
-# 4. The step, on the toy MLA target. Temperature 0 is greedy decoding exactly; at temperature
+# 4. The walk straight from the logits. ``tree_sample_logits`` finds the distribution of each
+# node its walk visits (the same passes as ``sampling_probs``), so its result is bit for bit
+# that of ``tree_sample`` on ``sampling_probs``' output, without the [bs, N, V] probabilities.
+logits_tree = np.random.default_rng(1).standard_normal((1, 3, 4)).astype(np.float32)
+params = (np.array([0.9], np.float32), np.array([0], np.int32), np.array([0.95], np.float32))
+u_nodes, u_bonus = np.array([[0.05, 0.6, 0.1]], np.float32), np.array([0.7], np.float32)
+lists = (tree.token_ids, tree.next_token, tree.next_sibling)
+fused = K.tree_sample_logits(*lists, logits_tree, *params, u_nodes, u_bonus).to_host()
+pair = K.tree_sample(*lists, K.sampling_probs(logits_tree, *params).copy_to_host(), u_nodes,
+                     u_bonus).to_host()
+print(f"fused: tokens {fused.accept_tokens[0].tolist()}; two kernels: "
+      f"{pair.accept_tokens[0].tolist()}")
+report("the fused walk equals the two kernels", all(
+    np.array_equal(getattr(fused, f), getattr(pair, f))
+    for f in ("accept_nodes", "accept_len", "accept_tokens", "bonus_token")))
+
+# %%
+# 5. The step, on the toy MLA target. Temperature 0 is greedy decoding exactly; at temperature
 # 0.8 every step is checked against the reference sampled step on the same drafter logits.
 config = ToyMLAConfig.tiny(layers=1) if SIMULATOR else ToyMLAConfig.gpu()
 bs, L, Kd, budget, steps = (2, 3, 2, 6, 3) if SIMULATOR else (4, 8, 8, 64, 8)

@@ -238,3 +238,123 @@ def test_an_out_buffer_of_the_wrong_shape_is_refused():
                      (K.tree_accept, (np.zeros((1, 5), np.int32),))):
         with pytest.raises(ValueError, match=r"out.accept_nodes: expected int32\[1, 5\]"):
             fn(tree.token_ids, tree.next_token, tree.next_sibling, *last, out=out)
+
+
+# -- tree_sample_logits: the walk straight from the logits ------------------------------------
+def sampling_case(seed, bs, N, V):
+    """A ragged random tree (distinct sibling tokens), logits that favour each node's first
+    child (so walks go deep), a -inf per row, and per-request parameters that mix greedy,
+    temperature only, top-k, top-p and both."""
+    rng = np.random.default_rng(seed)
+    parents, tokens = random_parents(rng, bs, N)
+    for b in range(bs):
+        for i in range(N):
+            kids = np.nonzero(parents[b] == i)[0]
+            tokens[b, kids] = rng.permutation(V)[: len(kids)]
+    tree = ref.tree_from_parents(parents, tokens)
+    logits = (rng.standard_normal((bs, N, V)) * 2).astype(np.float32)
+    for b in range(bs):
+        for i in range(N):
+            if tree.next_token[b, i] > 0:
+                logits[b, i, tree.token_ids[b, tree.next_token[b, i]]] += 9
+    logits[:, :, V // 2] = -np.inf if V > 2 else logits[:, :, V // 2]
+    pick = np.arange(bs) % 5
+    params = (np.array([0.0, 1.0, 0.7, 1.3, 0.9], np.float32)[pick],
+              np.array([0, 0, min(5, V), 0, min(40, V)], np.int32)[pick],
+              np.array([1.0, 1.0, 1.0, 0.8, 0.9], np.float32)[pick])
+    uniforms = rng.random((bs, N), dtype=np.float32)
+    bonus = rng.random(bs, dtype=np.float32)
+    return tree, logits, params, uniforms, bonus
+
+
+FIELDS = ("accept_nodes", "accept_len", "accept_tokens", "bonus_token")
+
+
+@pytest.mark.parametrize("seed, bs, N, V", [
+    (0, 5, 6, 70), (1, 3, 3, 300), (2, 1, 1, 5),
+    pytest.param(4, 5, 30, 70, marks=pytest.mark.gpu),
+    pytest.param(5, 10, 64, 9000, marks=pytest.mark.gpu),    # whole groups of 8 x 512 columns
+])
+def test_logits_kernel_equals_the_two_kernels_bit_for_bit(seed, bs, N, V):
+    """tree_sample_logits == tree_sample(sampling_probs(...)) field for field, and the same
+    path and tokens as the reference (whose float64 probabilities could differ only within
+    rounding of a uniform: not at these seeds)."""
+    tree, logits, params, uniforms, bonus = sampling_case(seed, bs, N, V)
+    lists = (tree.token_ids, tree.next_token, tree.next_sibling)
+    fused = K.tree_sample_logits(*lists, logits, *params, uniforms, bonus).to_host()
+    probs = K.sampling_probs(logits, *params)
+    two = K.tree_sample(*(K.as_device(a) for a in lists), probs, K.as_device(uniforms),
+                        K.as_device(bonus)).to_host()
+    want = ref.tree_sample_logits(*lists, logits, *params, uniforms, bonus)
+    for field in FIELDS:
+        np.testing.assert_array_equal(getattr(fused, field), getattr(two, field), err_msg=field)
+        np.testing.assert_array_equal(getattr(fused, field), getattr(want, field),
+                                      err_msg=field)
+    assert fused.accept_len.max() >= min(1, N - 1)     # a walk went past the root's row
+
+
+def test_logits_kernel_at_temperature_zero_is_greedy_accept():
+    """T = 0: one-hot rows, so the walk accepts what greedy verification accepts and the bonus
+    is the last node's argmax."""
+    tree, logits, (_, top_k, top_p), uniforms, bonus = sampling_case(5, 4, 24, 50)
+    got = K.tree_sample_logits(tree.token_ids, tree.next_token, tree.next_sibling, logits,
+                               np.zeros(4, np.float32), top_k, top_p, uniforms,
+                               bonus).to_host()
+    predict = logits.argmax(-1).astype(np.int32)
+    want = ref.tree_accept(tree.token_ids, tree.next_token, tree.next_sibling, predict)
+    for field in FIELDS:
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+
+
+def test_logits_kernel_never_reads_rows_the_walk_does_not_visit():
+    """NaN in the logits of padding nodes and of nodes off the walked path change nothing
+    (device inputs: no value checks, which would refuse NaN anywhere)."""
+    tree, logits, params, uniforms, bonus = sampling_case(6, 3, 20, 40)
+    lists = [K.as_device(a) for a in (tree.token_ids, tree.next_token, tree.next_sibling)]
+    rest = [K.as_device(a) for a in (*params, uniforms, bonus)]
+    clean = K.tree_sample_logits(*lists, K.as_device(logits), *rest).to_host()
+    dirty = logits.copy()
+    for b in range(3):
+        visited = set(clean.accept_nodes[b][clean.accept_nodes[b] >= 0].tolist())
+        dirty[b, [i for i in range(20) if i not in visited]] = np.nan
+    got = K.tree_sample_logits(*lists, K.as_device(dirty), *rest).to_host()
+    for field in FIELDS:
+        np.testing.assert_array_equal(getattr(got, field), getattr(clean, field), err_msg=field)
+
+
+def test_logits_kernel_unchecked_inputs_stay_in_bounds():
+    """check=False with links and tokens outside their ranges: an answer, not a crash."""
+    token_ids = np.array([[0, 9999, -5, 2]], np.int32)
+    next_token = np.array([[1, 3, 77, 1]], np.int32)                 # a cycle and a bad link
+    next_sibling = np.array([[-1, 2, 1, -9]], np.int32)
+    params = (np.ones(1, np.float32), np.array([2], np.int32), np.full(1, 0.9, np.float32))
+    res = K.tree_sample_logits(
+        *(K.as_device(a) for a in (token_ids, next_token, next_sibling,
+                                   np.zeros((1, 4, 3), np.float32), *params,
+                                   np.zeros((1, 4), np.float32), np.zeros(1, np.float32))),
+        check=False).to_host()
+    assert 0 <= res.accept_len[0] <= 3 and 0 <= res.bonus_token[0] < 3
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"logits": "nan"}, r"logits: expected finite values or -inf"),
+    ({"temperature": np.full(2, -1, np.float32)}, r"temperature: expected finite, >= 0"),
+    ({"top_p": np.zeros(2, np.float32)}, r"top_p: expected in \(0, 1\]"),
+    ({"uniforms": np.ones((2, 10), np.float32)}, r"uniforms: expected values in \[0, 1\)"),
+    ({"logits": np.zeros((2, 9, 30), np.float32)}, r"logits: expected float32\[bs=2, N=10"),
+])
+def test_logits_kernel_bad_input_is_refused_by_name(change, message):
+    tree, logits, params, uniforms, bonus = sampling_case(7, 2, 10, 30)
+    args = {"logits": logits, "temperature": params[0], "top_k": params[1],
+            "top_p": params[2], "uniforms": uniforms, "bonus_uniforms": bonus}
+    for key, value in change.items():
+        if isinstance(value, str):
+            value = logits.copy()
+            value[1, 0, 3] = np.nan
+        args[key] = value
+    before = {k: np.array(v, copy=True) for k, v in args.items()}
+    for fn in (ref.tree_sample_logits, K.tree_sample_logits):
+        with pytest.raises((ValueError, TypeError), match=message):
+            fn(tree.token_ids, tree.next_token, tree.next_sibling, **args)
+    for k, v in args.items():                                  # nothing the caller owns changed
+        np.testing.assert_array_equal(v, before[k])

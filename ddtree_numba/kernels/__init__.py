@@ -12,7 +12,7 @@ from .draft_topk import draft_topk
 from .sample_uniforms import allocate_uniforms, sample_uniforms
 from .sampling_probs import allocate_probs, sampling_probs
 from .tree_accept import allocate_accept, tree_accept
-from .tree_sample import tree_sample
+from .tree_sample import tree_sample, tree_sample_logits
 from .verify_attn import allocate_workspace, verify_attn
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "sampling_probs",
     "tree_accept",
     "tree_sample",
+    "tree_sample_logits",
     "use_stream",
     "verify_attn",
 ]

@@ -71,6 +71,16 @@ if SIMULATOR:
 _stream_stack: list = []
 
 
+def kernel_for_block(threads: int):
+    """``@cuda.jit`` of a kernel always launched with ``threads`` threads a block, compiled so
+    that such a block fits (``launch_bounds``: at most ``65536 / threads`` registers a thread,
+    where ptxas would otherwise take more and the launch would fail). The simulator has no
+    registers and no such option: plain ``@cuda.jit`` there."""
+    if SIMULATOR:
+        return cuda.jit
+    return cuda.jit(launch_bounds=threads)
+
+
 def as_device(a, *, bf16_as_bits: bool = True):
     """A numba device array viewing ``a`` (copied to the device if ``a`` is a numpy array).
 

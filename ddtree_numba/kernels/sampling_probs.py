@@ -6,7 +6,9 @@ request ``row // N``). Thread ``tid`` owns the columns ``tid, tid + T, ...`` of 
 folds them in that order; block results come from a tree in shared memory
 (``_primitives.block_sum`` / ``block_max``), so every sum has one fixed order and a row's
 result never depends on the rest of the launch. The row is read, not stored: each pass
-recomputes ``z = x / T`` (and ``exp``) from the logits.
+recomputes ``z = x / T`` (and ``exp``) from the logits. A pass loads ``UNROLL`` of its
+columns (``c, c + T, ..., c + 7 T``) before it uses any of them: eight loads in flight a thread,
+where a plain strided loop keeps one, and the order of the fold is unchanged.
 
 * ``T < limits.GREEDY_TEMPERATURE`` (1e-5): the first index of the maximum (a block argmax),
   then a one-hot row.
@@ -19,6 +21,10 @@ recomputes ``z = x / T`` (and ``exp``) from the logits.
   again bit by bit over the bits of the non-negative float ``w`` (31 passes of float32 sums in
   the fixed order);
 * the final sum and ``probs = w / sum`` for the kept tokens, 0 elsewhere.
+
+:func:`row_distribution` computes these numbers of one row and :func:`probability` turns a
+logit into its probability with them: ``kernels.tree_sample_logits`` calls the same two on
+just the rows its walk visits, so its probabilities are these, bit for bit.
 
 Up to ``4 + 32 + 31`` passes over the row when both filters are on: simple, and slow for
 large vocabularies (a radix select with 8-bit digits would take 8); temperature alone is 3.
@@ -35,12 +41,36 @@ from numba import cuda, float32, int32, uint32
 
 from ..limits import GREEDY_TEMPERATURE
 from ..validation import check_sampling_probs, require_array
-from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream
+from ._device import (
+    SIMULATOR,
+    as_device,
+    device_empty,
+    kernel_for_block,
+    launch,
+    launch_stream,
+)
 from ._primitives import block_max, block_sum, float_to_bits, key_of_float
 
-PROB_THREADS = 32 if SIMULATOR else 256
+PROB_THREADS = 32 if SIMULATOR else 512
+UNROLL = 8                  # columns a thread loads before it uses them
 NEG_INF = float32(-math.inf)
 GREEDY_BELOW = float32(GREEDY_TEMPERATURE)
+
+
+@cuda.jit(device=True, inline=True)
+def _columns(logits, row, col):
+    """The ``UNROLL`` columns ``col, col + T, ..., col + 7 T`` of the row, loaded together
+    (the caller checks that the last is ``< V``)."""
+    T = PROB_THREADS
+    return (logits[row, col], logits[row, col + T], logits[row, col + 2 * T],
+            logits[row, col + 3 * T], logits[row, col + 4 * T], logits[row, col + 5 * T],
+            logits[row, col + 6 * T], logits[row, col + 7 * T])
+
+
+# Each pass below walks the thread's columns in order: whole groups of UNROLL (loaded
+# together), then the last few one at a time.
+WHOLE = (UNROLL - 1) * PROB_THREADS     # a group starting at col is whole if col + WHOLE < V
+GROUP = UNROLL * PROB_THREADS
 
 
 @cuda.jit(device=True, inline=True)
@@ -48,21 +78,52 @@ def _argmax_first(logits, row, red, red_i, tid, V):
     """The first index of the row's maximum: each thread's first maximum in column order,
     then the block's largest value and, among equal values, the smallest index."""
     value, index = NEG_INF, int32(V)
-    for col in range(tid, V, PROB_THREADS):
+    col = tid
+    while col + WHOLE < V:
+        j = 0
+        for x in _columns(logits, row, col):
+            if x > value or index == V:
+                value, index = x, int32(col + j * PROB_THREADS)
+            j += 1
+        col += GROUP
+    while col < V:
         if logits[row, col] > value or index == V:
             value, index = logits[row, col], int32(col)
+        col += PROB_THREADS
     top = block_max(red, value, tid, PROB_THREADS)
     candidate = index if value == top else int32(V)
     return -block_max(red_i, -candidate, tid, PROB_THREADS)
 
 
 @cuda.jit(device=True, inline=True)
+def _max_scaled(logits, row, T, red, tid, V):
+    """The row's maximum of ``z = x / T``."""
+    z_max = NEG_INF
+    col = tid
+    while col + WHOLE < V:
+        for x in _columns(logits, row, col):
+            z_max = max(z_max, x / T)
+        col += GROUP
+    while col < V:
+        z_max = max(z_max, logits[row, col] / T)
+        col += PROB_THREADS
+    return block_max(red, z_max, tid, PROB_THREADS)
+
+
+@cuda.jit(device=True, inline=True)
 def _count_at_least(logits, row, T, key, red_i, tid, V):
     """How many ``z = x / T`` of the row have an order key ``>= key``."""
     count = int32(0)
-    for col in range(tid, V, PROB_THREADS):
+    col = tid
+    while col + WHOLE < V:
+        for x in _columns(logits, row, col):
+            if key_of_float(x / T) >= key:
+                count += 1
+        col += GROUP
+    while col < V:
         if key_of_float(logits[row, col] / T) >= key:
             count += 1
+        col += PROB_THREADS
     return block_sum(red_i, count, tid, PROB_THREADS)
 
 
@@ -81,41 +142,35 @@ def _weight(x, T, z_max, kth_key, tau_bits):
 def _kept_mass(logits, row, T, z_max, kth_key, tau_bits, red, tid, V):
     """The float32 sum of the kept weights, each thread in column order, then the tree."""
     mass = float32(0.0)
-    for col in range(tid, V, PROB_THREADS):
+    col = tid
+    while col + WHOLE < V:
+        for x in _columns(logits, row, col):
+            mass += _weight(x, T, z_max, kth_key, tau_bits)
+        col += GROUP
+    while col < V:
         mass += _weight(logits[row, col], T, z_max, kth_key, tau_bits)
+        col += PROB_THREADS
     return block_sum(red, mass, tid, PROB_THREADS)
 
 
-@cuda.jit
-def _sampling_probs_kernel(logits, temperature, top_k, top_p, N, probs):
-    red = cuda.shared.array(PROB_THREADS, float32)
-    red_i = cuda.shared.array(PROB_THREADS, int32)
-    row = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    V = logits.shape[1]
-    b = row // N
-    T = temperature[b]
+@cuda.jit(device=True, inline=True)
+def row_distribution(logits, row, T, k, p, red, red_i, tid, V):
+    """The numbers that define row ``row``'s distribution, computed by the whole block (every
+    thread must call it; all get the result): ``(best, T, z_max, kth_key, tau_bits, total)``.
+    ``best >= 0`` is the greedy one-hot's token (``T`` below 1e-5); else ``best = -1`` and a
+    token's probability is its kept weight over ``total`` (:func:`probability`)."""
     if T < GREEDY_BELOW:                        # greedy: one-hot at the first maximum
-        best = _argmax_first(logits, row, red, red_i, tid, V)
-        for col in range(tid, V, PROB_THREADS):
-            probs[row, col] = float32(1.0) if col == best else float32(0.0)
-        return                                  # (T is the same for the whole block)
-    z_max = NEG_INF
-    for col in range(tid, V, PROB_THREADS):
-        z_max = max(z_max, logits[row, col] / T)
-    z_max = block_max(red, z_max, tid, PROB_THREADS)
-
+        best = int32(_argmax_first(logits, row, red, red_i, tid, V))
+        return best, T, float32(0.0), uint32(0), uint32(0), float32(1.0)
+    z_max = _max_scaled(logits, row, T, red, tid, V)
     kth_key = uint32(0)                         # top-k: the k-th largest z's key
-    k = top_k[b]
     if 0 < k < V:
         for bit in range(31, -1, -1):
             candidate = kth_key | (uint32(1) << uint32(bit))
             if _count_at_least(logits, row, T, candidate, red_i, tid, V) >= k:
                 kth_key = candidate
     total = _kept_mass(logits, row, T, z_max, kth_key, uint32(0), red, tid, V)
-
     tau_bits = uint32(0)                        # top-p: the largest tau reaching p total
-    p = top_p[b]
     if p < 1:
         target = p * total
         for bit in range(30, -1, -1):           # w >= 0: bit 31 (the sign) stays 0
@@ -123,8 +178,39 @@ def _sampling_probs_kernel(logits, temperature, top_k, top_p, N, probs):
             if _kept_mass(logits, row, T, z_max, kth_key, candidate, red, tid, V) >= target:
                 tau_bits = candidate
         total = _kept_mass(logits, row, T, z_max, kth_key, tau_bits, red, tid, V)
-    for col in range(tid, V, PROB_THREADS):
-        probs[row, col] = _weight(logits[row, col], T, z_max, kth_key, tau_bits) / total
+    return int32(-1), T, z_max, kth_key, tau_bits, total
+
+
+@cuda.jit(device=True, inline=True)
+def probability(x, col, dist):
+    """The probability of the token ``col`` whose logit is ``x``, in the row whose
+    :func:`row_distribution` is ``dist``."""
+    best, T, z_max, kth_key, tau_bits, total = dist
+    if best >= 0:
+        return float32(1.0) if col == best else float32(0.0)
+    return _weight(x, T, z_max, kth_key, tau_bits) / total
+
+
+@kernel_for_block(PROB_THREADS)             # registers capped so the block fits
+def _sampling_probs_kernel(logits, temperature, top_k, top_p, N, probs):
+    red = cuda.shared.array(PROB_THREADS, float32)
+    red_i = cuda.shared.array(PROB_THREADS, int32)
+    row = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    V = logits.shape[1]
+    b = row // N
+    dist = row_distribution(logits, row, temperature[b], top_k[b], top_p[b], red, red_i, tid,
+                            V)
+    col = tid
+    while col + WHOLE < V:
+        j = 0
+        for x in _columns(logits, row, col):
+            probs[row, col + j * PROB_THREADS] = probability(x, col + j * PROB_THREADS, dist)
+            j += 1
+        col += GROUP
+    while col < V:
+        probs[row, col] = probability(logits[row, col], col, dist)
+        col += PROB_THREADS
 
 
 def allocate_probs(bs: int, N: int, V: int):

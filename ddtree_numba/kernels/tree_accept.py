@@ -32,6 +32,25 @@ from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream
 ACCEPT_THREADS = 32 if SIMULATOR else 1024
 
 
+@cuda.jit(device=True, inline=True)
+def write_accept_rows(b, path, k, bonus, tokens, tid, threads, N, accept_nodes, accept_len,
+                      accept_tokens, bonus_token):
+    """All threads: request ``b``'s ``AcceptResult`` from the accepted path ``path[0..k]`` and
+    the bonus token; ``tokens[i]`` is node ``i``'s token (a shared or a global row). Coalesced
+    rows, -1 past the path (``tree_sample`` writes its result the same way)."""
+    if tid == 0:
+        accept_len[b] = k
+        bonus_token[b] = bonus
+    for i in range(tid, N, threads):
+        accept_nodes[b, i] = path[i] if i <= k else -1
+        if i < k:
+            accept_tokens[b, i] = tokens[path[i + 1]]
+        elif i == k:
+            accept_tokens[b, i] = bonus
+        else:
+            accept_tokens[b, i] = -1
+
+
 @cuda.jit
 def _tree_accept_kernel(token_ids, next_token, next_sibling, target_predict, accept_nodes,
                         accept_len, accept_tokens, bonus_token):
@@ -74,19 +93,8 @@ def _tree_accept_kernel(token_ids, next_token, next_sibling, target_predict, acc
         result[1] = pred[cur]
     cuda.syncthreads()                              # path complete before the write-out
 
-    k = result[0]
-    bonus = result[1]
-    if tid == 0:
-        accept_len[b] = k
-        bonus_token[b] = bonus
-    for i in range(tid, N, threads):                # 3. coalesced rows, -1 fill
-        accept_nodes[b, i] = path[i] if i <= k else -1
-        if i < k:
-            accept_tokens[b, i] = tok[path[i + 1]]
-        elif i == k:
-            accept_tokens[b, i] = bonus
-        else:
-            accept_tokens[b, i] = -1
+    write_accept_rows(b, path, result[0], result[1], tok, tid, threads, N,  # 3. write-out
+                      accept_nodes, accept_len, accept_tokens, bonus_token)
 
 
 def allocate_accept(bs: int, N: int) -> AcceptResult:

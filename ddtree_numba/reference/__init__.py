@@ -13,7 +13,7 @@ from .sample_uniforms import sample_uniforms
 from .sampled_step import SampledOutput, sampled_step
 from .sampling_probs import sampling_probs
 from .tree_accept import tree_accept
-from .tree_sample import tree_sample
+from .tree_sample import tree_sample, tree_sample_logits
 from .verify_attn import deepseek_sm_scale, gather_slots, plain_mla_attention, verify_attn
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "sampling_probs",
     "tree_accept",
     "tree_sample",
+    "tree_sample_logits",
     "tree_from_parents",
     "unpack_bits",
     "verify_attn",

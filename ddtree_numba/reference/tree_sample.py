@@ -38,7 +38,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..contracts import AcceptResult
-from ..validation import check_tree_sample
+from ..validation import check_tree_sample, check_tree_sample_logits
+from .sampling_probs import sampling_probs
 
 #: The bonus token's inverse CDF sums the vocabulary in chunks of this many values: each chunk
 #: sequentially, then the chunk sums sequentially (the kernel gives one chunk to a thread).
@@ -138,3 +139,16 @@ def tree_sample(token_ids, next_token, next_sibling, target_probs, uniforms,
         result.accept_tokens[b, :k] = token_ids[b, path[1:]]
         result.accept_tokens[b, k] = bonus
     return result
+
+
+def tree_sample_logits(token_ids, next_token, next_sibling, logits, temperature, top_k, top_p,
+                       uniforms, bonus_uniforms) -> AcceptResult:
+    """:func:`tree_sample` on :func:`~ddtree_numba.reference.sampling_probs` of ``logits``:
+    the definition of the kernel that fuses the two (and computes the distribution only at the
+    nodes its walk visits). ``logits`` ``float32[bs, N, V]`` and the per-request
+    ``temperature``, ``top_k``, ``top_p`` as for ``sampling_probs``; the rest as for
+    :func:`tree_sample`."""
+    check_tree_sample_logits(token_ids, next_token, next_sibling, logits, temperature, top_k,
+                             top_p, uniforms, bonus_uniforms, check=True)
+    probs = sampling_probs(logits, temperature, top_k, top_p)
+    return tree_sample(token_ids, next_token, next_sibling, probs, uniforms, bonus_uniforms)

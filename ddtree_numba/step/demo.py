@@ -17,7 +17,7 @@ device) and checks three things:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -176,10 +176,13 @@ def timed_run(step: GreedyStep, starts) -> dict:
             "wall_us": 1e6 * wall}
 
 
-def _problem(bs, steps, L, k, budget, seed):
-    """The demo's sizes (defaults for this backend where ``None``), the toy model, the start
-    tokens and the drafter's view of the future (the greedy continuation)."""
+def demo_problem(bs, steps, L, k, budget, seed, config: ToyMLAConfig | None = None):
+    """The demo's sizes (defaults for this backend where ``None``), the toy model (``config``,
+    default this backend's), the start tokens and the drafter's view of the future (the greedy
+    continuation)."""
     base = default_sizes(not K.SIMULATOR)
+    if config is not None:
+        base = replace(base, config=config)
     def given(value, default):          # 0 is a value (GreedyStep refuses it), not "default"
         return default if value is None else value
 
@@ -228,7 +231,7 @@ def run_demo(*, bs=None, steps=None, L=None, k=None, budget=None, accuracy: floa
                                  accuracy=accuracy, seed=seed, out=out,
                                  sampling={"temperature": temperature, "top_k": top_k,
                                            "top_p": top_p})
-    sizes, model, starts, greedy, continuation = _problem(bs, steps, L, k, budget, seed)
+    sizes, model, starts, greedy, continuation = demo_problem(bs, steps, L, k, budget, seed)
     t0 = time.perf_counter()
     out(f"toy MLA target: {sizes.config.layers} layers, {sizes.config.heads} heads, "
         f"Dc {sizes.config.kv_lora_rank}, Dr {sizes.config.qk_rope_dim}, vocab "
@@ -275,7 +278,7 @@ def run_demo(*, bs=None, steps=None, L=None, k=None, budget=None, accuracy: floa
 
 
 def _run_sampled_demo(*, bs, steps, L, k, budget, accuracy, seed, sampling, out) -> dict:
-    sizes, model, starts, _, continuation = _problem(bs, steps, L, k, budget, seed)
+    sizes, model, starts, _, continuation = demo_problem(bs, steps, L, k, budget, seed)
     out(f"toy MLA target, sampled: temperature {sampling['temperature']}, top-k "
         f"{sampling['top_k']}, top-p {sampling['top_p']}, seed {seed}; bs {sizes.bs}, L "
         f"{sizes.L}, K {sizes.K}, budget {sizes.budget}; the drafter guesses the greedy "

@@ -4,12 +4,16 @@ CUDA graph; lossless in distribution for any drafter.
 The greedy step with its last verification stages replaced::
 
     ... target.forward                          -> target logits     [bs N, V]
-    kernels.sampling_probs                      -> probabilities     [bs, N, V]
-                                                   (per request: temperature, top-k, top-p)
     kernels.sample_uniforms                     -> uniforms [bs, N], bonus uniforms [bs]
                                                    (Philox keyed by seed, request, position)
-    kernels.tree_sample                         -> AcceptResult      (the target-only walk)
+    kernels.tree_sample_logits                  -> AcceptResult      (the target-only walk,
+                                                   with each visited node's distribution:
+                                                   temperature, top-k, top-p per request)
     kernels.commit_kv, advance                  (as in the greedy step)
+
+The walk needs the distribution only at the nodes it visits (the accepted path: a few of the
+``N``), so the step never writes the ``[bs, N, V]`` probabilities: ``tree_sample_logits``
+computes them there, bit for bit what ``sampling_probs`` followed by ``tree_sample`` gives.
 
 The drafter, the tree and the cache bookkeeping are the greedy step's: target-only sampling
 needs no draft probabilities, so the drafter's top-K tree is verified as it is. A request with
@@ -28,7 +32,7 @@ from numba import cuda
 
 from .. import kernels
 from ..kernels.sample_uniforms import allocate_uniforms, sample_uniforms
-from ..kernels.sampling_probs import allocate_probs, sampling_probs
+from ..kernels.sampling_probs import sampling_probs
 from ..limits import MAX_BATCH
 from ..validation import check_sampling_params, require_int
 from .greedy import GreedyStep
@@ -93,39 +97,38 @@ class SampledStep(GreedyStep):
                          page_size=page_size, mode=mode, ops=ops, seed=seed)
         self.seed = seed
         self.temperature, self.top_k, self.top_p = (cuda.to_device(a) for a in (t, k, p))
-        self.probs = allocate_probs(self.bs, self.N, target.vocab)
         self.uniforms, self.bonus_uniforms = allocate_uniforms(self.bs, self.N)
 
     def stages(self) -> list:
         """The greedy step's stages, with ``argmax`` and ``tree_accept`` replaced by
-        ``sampling_probs``, ``sample_uniforms`` and ``tree_sample``."""
-        replaced = {"argmax": [("sampling_probs", self._sampling_probs),
-                               ("sample_uniforms", self._sample_uniforms)],
-                    "tree_accept": [("tree_sample", self._tree_sample)]}
+        ``sample_uniforms`` and ``tree_sample_logits``."""
+        replaced = {"argmax": [("sample_uniforms", self._sample_uniforms)],
+                    "tree_accept": [("tree_sample_logits", self._tree_sample_logits)]}
         stages = []
         for name, launch in super().stages():
             stages += replaced.get(name, [(name, launch)])
         return stages
 
-    def _sampling_probs(self):
-        logits = self.target_logits.reshape(self.bs, self.N, self.target.vocab)
-        sampling_probs(logits, self.temperature, self.top_k, self.top_p, check=False,
-                       out=self.probs)
-
     def _sample_uniforms(self):
         sample_uniforms(self.seed, self.prefix_lens, self.N, check=False,
                         out=(self.uniforms, self.bonus_uniforms))
 
-    def _tree_sample(self):
-        kernels.tree_sample(self.tree.token_ids, self.tree.next_token, self.tree.next_sibling,
-                            self.probs, self.uniforms, self.bonus_uniforms, check=False,
-                            out=self.accept)
+    def _tree_sample_logits(self):
+        logits = self.target_logits.reshape(self.bs, self.N, self.target.vocab)
+        kernels.tree_sample_logits(self.tree.token_ids, self.tree.next_token,
+                                   self.tree.next_sibling, logits, self.temperature, self.top_k,
+                                   self.top_p, self.uniforms, self.bonus_uniforms, check=False,
+                                   out=self.accept)
 
     def last_step(self) -> dict:
-        """As :meth:`GreedyStep.last_step`, plus the step's probabilities and uniforms (its
-        ``target_predict`` is not computed by a sampled step)."""
+        """As :meth:`GreedyStep.last_step`, plus the step's uniforms and the probabilities of
+        every node (``sampling_probs`` of the step's logits, computed here: the step itself
+        needs them only along the walk); ``target_predict`` is not computed by a sampled
+        step."""
         out = super().last_step()
         out.pop("target_predict")
-        out.update(probs=self.probs.copy_to_host(), uniforms=self.uniforms.copy_to_host(),
+        logits = self.target_logits.reshape(self.bs, self.N, self.target.vocab)
+        probs = sampling_probs(logits, self.temperature, self.top_k, self.top_p, check=False)
+        out.update(probs=probs.copy_to_host(), uniforms=self.uniforms.copy_to_host(),
                    bonus_uniforms=self.bonus_uniforms.copy_to_host())
         return out
