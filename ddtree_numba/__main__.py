@@ -1,5 +1,5 @@
-"""Command line: ``python -m ddtree_numba demo`` (the main job), ``info``, ``build-report``,
-``fixtures``.
+"""Command line: ``python -m ddtree_numba demo`` (the main job; ``--model DIR`` for a
+DeepSeek-V3-architecture checkpoint), ``info``, ``build-report``, ``make-model``, ``fixtures``.
 
 Every error is one line on stderr, ``python -m ddtree_numba COMMAND: error: ...``, with exit
 status 2: option values are checked by argparse (bounds from :mod:`ddtree_numba.limits`) before
@@ -162,6 +162,10 @@ def _build_report(args) -> int:
 
 
 def _demo(args) -> int:
+    if args.model is not None:
+        return _model_demo(args)
+    if args.cache is not None:
+        raise CommandError("--cache: applies to --model (the toy demo's cache is float32)")
     if args.temperature > 0 and args.plot:
         raise CommandError("--plot: the tree plot is drawn by the greedy demo; leave out "
                            "--temperature (or set it to 0)")
@@ -181,6 +185,57 @@ def _demo(args) -> int:
     run_demo(bs=args.bs, steps=args.steps, L=args.depth, k=args.topk, budget=args.budget,
              accuracy=args.accuracy, seed=args.seed, plot=args.plot,
              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    return 0
+
+
+def _model_demo(args) -> int:
+    for option, value, default in (("--temperature", args.temperature, 0.0),
+                                   ("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0),
+                                   ("--plot", args.plot, None)):
+        if value != default:
+            raise CommandError(f"{option}: the --model demo decodes greedily and draws no "
+                               f"plot; leave out {option}")
+    from .models.deepseek_v3 import DeepseekV3Config
+
+    if not os.path.isdir(args.model):
+        raise CommandError(f"--model: expected a checkpoint folder (config.json and safetensors "
+                           f"files; make-model writes one), got {args.model!r}")
+    try:
+        config = DeepseekV3Config.from_json(args.model)
+    except (ValueError, OSError) as error:
+        raise CommandError(f"--model: {error}") from None
+    if args.topk is not None and args.topk > min(MAX_K, config.vocab_size):
+        raise CommandError(f"--topk: expected an int in [1, {min(MAX_K, config.vocab_size)}] "
+                           f"(the model's vocabulary is {config.vocab_size}), got {args.topk}")
+    backend = choose_backend()
+    if backend != "simulator":
+        raise CommandError("--model: the DeepSeek-V3 target's dense layers run in numpy on "
+                           "numba's CUDA simulator so far (the GPU backend is being written); "
+                           "run with DDTREE_BACKEND=simulator")
+    from .step.demo import run_model_demo
+
+    print(f"ddtree_numba demo on the {backend}\n")
+    run_model_demo(args.model, bs=args.bs, steps=args.steps, L=args.depth, k=args.topk,
+                   budget=args.budget, accuracy=args.accuracy, seed=args.seed,
+                   cache_dtype=args.cache or "float32")
+    return 0
+
+
+def _make_model(args) -> int:
+    from .models.deepseek_v3.make_model import make_model
+    from .progress import Progress
+
+    bar = Progress("writing tensors", 0)
+    try:
+        checkpoint = make_model(args.outdir, preset=args.preset, seed=args.seed,
+                                shards=args.shards, progress=bar.update)
+    except ValueError as error:             # refused before anything is written
+        raise CommandError(str(error)) from None
+    bar.close()
+    c = checkpoint.config
+    print(f"wrote a random {args.preset} {c.model_type} checkpoint to {args.outdir}: "
+          f"{len(checkpoint)} tensors in {len(set(checkpoint.files.values()))} shards; try "
+          f"python -m ddtree_numba demo --model {args.outdir}")
     return 0
 
 
@@ -245,6 +300,11 @@ def make_parser() -> Parser:
     demo.add_argument("--plot", metavar="PATH", type=output_file(PLOT_SUFFIXES),
                       help="save the tree of the step with the longest accepted path, the path "
                       "highlighted (.png, .svg or .pdf)")
+    demo.add_argument("--model", metavar="DIR", help="decode a local DeepSeek-V3-architecture "
+                      "checkpoint (Hugging Face config.json + safetensors; make-model writes "
+                      "one) instead of the toy target: greedy, on the CUDA simulator for now")
+    demo.add_argument("--cache", choices=("float32", "bfloat16"),
+                      help="with --model: the KV cache's type (default float32)")
     sub.add_parser("info", help="numba-cuda version, GPU or simulator")
     report = sub.add_parser("build-report", help="compile every kernel for a target GPU (no "
                             "GPU needed) and report registers, spills, shared memory, occupancy")
@@ -256,6 +316,17 @@ def make_parser() -> Parser:
                       help="print a Markdown table with the targets side by side")
     report.add_argument("--strict", action="store_true", help="exit 1 if a kernel does not "
                         "fit, naming each problem on stderr")
+    make = sub.add_parser("make-model", help="write a small random DeepSeek-V3-architecture "
+                          "checkpoint (config.json, sharded bfloat16 safetensors) for demo "
+                          "--model")
+    make.add_argument("outdir", type=output_dir, help="folder to write (created if missing; "
+                      "refused if it already holds a checkpoint)")
+    make.add_argument("--preset", choices=("tiny", "small"), default="tiny",
+                      help="tiny: runs on the CUDA simulator in seconds (default); small: "
+                      "576-wide cache rows, 22 M parameters")
+    make.add_argument("--seed", type=int_in(0, MAX_SEED), default=0)
+    make.add_argument("--shards", type=int_in(1, 99), default=2,
+                      help="safetensors files (default 2)")
     fixtures = sub.add_parser("fixtures", help="write golden KDTR fixtures of every stage "
                               "(inputs and expected outputs from the references)")
     fixtures.add_argument("outdir", type=output_dir, help="folder to write (created if "
@@ -268,7 +339,7 @@ def make_parser() -> Parser:
 
 
 COMMANDS = {"demo": _demo, "info": _info, "build-report": _build_report,
-            "fixtures": _fixtures}
+            "make-model": _make_model, "fixtures": _fixtures}
 
 
 def main(argv=None) -> int:

@@ -37,6 +37,13 @@ BAD = [
     (["fixtures", "out", "--seed", "-1"], "--seed: expected an int in [0, 4294967295], got -1"),
     (["build-report", "--json", "--markdown"], "--markdown: not allowed with argument --json"),
     (["build-report", "--cc", "7.5"], "--cc: expected one of 12.0, 9.0, 8.9, 8.0, got 7.5"),
+    (["demo", "--model", "missing"], "--model: expected a checkpoint folder (config.json and "
+                                     "safetensors files; make-model writes one), got 'missing'"),
+    (["demo", "--cache", "bfloat16"], "--cache: applies to --model"),
+    (["demo", "--cache", "int8"], "--cache: invalid choice: 'int8' (choose from 'float32', "
+                                  "'bfloat16')"),
+    (["make-model", "out", "--preset", "huge"], "--preset: invalid choice: 'huge'"),
+    (["make-model", "out", "--shards", "0"], "--shards: expected an int in [1, 99], got 0"),
 ]
 
 
@@ -120,6 +127,52 @@ def test_demo_runs_and_writes_only_the_plot(tmp_path):
     assert "output == plain greedy decoding: True" in done.stdout
     assert plot.stat().st_size > 1000
     assert os.listdir(work) == []
+
+
+# --- make-model and demo --model ---------------------------------------------------------
+def test_make_model_then_demo_model_decodes_it_losslessly(tmp_path):
+    """The first hour with a DeepSeek-V3 checkpoint: write a tiny random one, decode it; the
+    progress bars go to stderr, one finished line each (not a terminal)."""
+    model = tmp_path / "model"
+    done = run(["-m", "ddtree_numba", "make-model", str(model), "--shards", "3"])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"wrote a random tiny deepseek_v3 checkpoint to {model}: "
+                                  f"91 tensors in 3 shards")
+    assert done.stderr.strip().splitlines()[-1] == "writing tensors [####################] 91/91"
+    done = run(["-m", "ddtree_numba", "demo", "--model", str(model), "--steps", "2",
+                "--cache", "bfloat16"], DDTREE_BACKEND="simulator")
+    assert done.returncode == 0, done.stderr
+    assert "output == the reference's plain greedy decoding: True" in done.stdout
+    assert "bfloat16 cache" in done.stdout
+    bars = [line.split(" [")[0] for line in done.stderr.splitlines() if " [" in line]
+    assert bars == ["loading weights", "reference greedy decoding", "decoding"]
+    again = run(["-m", "ddtree_numba", "make-model", str(model)])      # nothing overwritten
+    assert again.returncode == 2
+    assert again.stderr.count("\n") == 1 and "already holds a checkpoint" in again.stderr
+
+
+@pytest.mark.parametrize("option", [["--temperature", "1"], ["--plot", "t.png"]])
+def test_demo_model_refuses_what_it_does_not_do(tmp_path, option):
+    from ddtree_numba.models.deepseek_v3.make_model import make_model
+
+    make_model(str(tmp_path / "m"))
+    done = run(["-m", "ddtree_numba", "demo", "--model", str(tmp_path / "m"), *option],
+               cwd=tmp_path, DDTREE_BACKEND="simulator")
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"python -m ddtree_numba demo: error: {option[0]}: the "
+                                  f"--model demo decodes greedily"), done.stderr
+    assert sorted(os.listdir(tmp_path)) == ["m"]
+
+
+def test_demo_model_topk_above_the_models_vocabulary(tmp_path):
+    from ddtree_numba.models.deepseek_v3.make_model import make_model
+
+    make_model(str(tmp_path / "m"))
+    done = run(["-m", "ddtree_numba", "demo", "--model", str(tmp_path / "m"), "--topk", "300"],
+               DDTREE_BACKEND="simulator")
+    assert done.returncode == 2
+    assert "--topk: expected an int in [1, 256] (the model's vocabulary is 256), got 300" in \
+        done.stderr
 
 
 # --- fixtures ---------------------------------------------------------------------------

@@ -273,3 +273,57 @@ def test_deepseek_v3_target_refuses_bad_arguments():
         DeepseekV3Target({"model_type": "deepseek_v3"}, ckpt)
     with pytest.raises(ValueError, match="cache_dtype: expected one of"):
         DeepseekV3Target(ckpt.config, ckpt, cache_dtype="int8")
+
+
+# -- make_model: random checkpoints written as Hugging Face would --------------------------------
+
+def test_make_model_writes_a_sharded_bfloat16_checkpoint_the_loader_reads(tmp_path):
+    import hashlib
+
+    from ddtree_numba.models.deepseek_v3.make_model import PRESETS, make_model, tensor_shapes
+
+    ckpt = make_model(str(tmp_path / "a"), preset="tiny", seed=3, shards=3)
+    with open(tmp_path / "a" / "model.safetensors.index.json") as f:
+        index = json.load(f)
+    assert len(set(index["weight_map"].values())) == 3
+    with open(tmp_path / "a" / "config.json") as f:
+        shapes = tensor_shapes(json.load(f))
+    assert sorted(ckpt) == sorted(shapes)
+    for name, shape in shapes.items():
+        tensor = ckpt[name]
+        assert tensor.shape == shape, name
+        assert tensor.dtype == (np.float32 if name.endswith("bias") else ml_dtypes.bfloat16)
+    c = ckpt.config
+    assert (c.q_lora_rank, c.first_k_dense_replace, c.n_group, c.rope_scaling.factor) == (
+        PRESETS["tiny"]["q_lora_rank"], 1, 4, 4.0)
+    logits, _ = ref.forward(c, ckpt, [5, 6, 7], [0, 1, 2])
+    assert np.isfinite(logits).all() and 1 < logits.std() < 10
+
+    def digest(folder):
+        return {f: hashlib.sha256((folder / f).read_bytes()).hexdigest()
+                for f in sorted(os.listdir(folder))}
+
+    make_model(str(tmp_path / "b"), preset="tiny", seed=3, shards=3)
+    make_model(str(tmp_path / "c"), preset="tiny", seed=4, shards=3)
+    assert digest(tmp_path / "a") == digest(tmp_path / "b")       # the same bytes
+    assert digest(tmp_path / "a") != digest(tmp_path / "c")
+
+
+def test_make_model_small_has_deepseek_v3_cache_rows_and_no_query_lora(tmp_path):
+    from ddtree_numba.models.deepseek_v3.make_model import make_model
+
+    c = make_model(str(tmp_path / "s"), preset="small", shards=1).config
+    assert (c.row_width, c.q_lora_rank, c.num_attention_heads) == (576, None, 8)
+
+
+def test_make_model_refuses_without_touching_the_folder(tmp_path):
+    from ddtree_numba.models.deepseek_v3.make_model import make_model
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="already holds a checkpoint .config.json."):
+        make_model(str(tmp_path))
+    with pytest.raises(ValueError, match="preset: expected one of"):
+        make_model(str(tmp_path / "x"), preset="huge")
+    with pytest.raises(ValueError, match="shards: expected"):
+        make_model(str(tmp_path / "x"), shards=0)
+    assert sorted(os.listdir(tmp_path)) == ["config.json"]

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 LAYERS = [
-    {"limits", "arrays", "_platform"},
+    {"limits", "arrays", "_platform", "progress"},
     {"contracts", "interfaces", "validation", "paging", "kdtr"},
     {"reference"},
     {"kernels"},

@@ -303,3 +303,74 @@ def _run_sampled_demo(*, bs, steps, L, k, budget, accuracy, seed, sampling, out)
                                         out=out))
     out("device step == reference sampled step at every step: True")
     return summary
+
+
+def run_model_demo(folder: str, *, bs=None, steps=None, L=None, k=None, budget=None,
+                   accuracy: float = 0.8, seed: int = 0, cache_dtype: str = "float32",
+                   out=print, progress_stream=None) -> dict:
+    """Greedy DDTree decoding of a local DeepSeek-V3-architecture checkpoint (``demo --model``).
+
+    The checkpoint's tensors are read (a progress bar on stderr), the plain-form reference
+    decodes each request greedily (the expected output, and the toy drafter's view of the
+    future), and :class:`~ddtree_numba.GreedyStep` decodes the same requests on
+    :class:`~ddtree_numba.models.deepseek_v3.target.DeepseekV3Target` (the absorbed form,
+    attention by ``kernels.verify_attn``). Raises ``AssertionError`` unless the two emit the
+    same tokens. The target's dense layers run on numba's CUDA simulator (numpy) for now."""
+    from ..models.deepseek_v3 import Checkpoint
+    from ..models.deepseek_v3.target import DeepseekV3Target, greedy
+    from ..progress import Progress
+
+    def given(value, default):
+        return default if value is None else value
+
+    bs, steps, L = given(bs, 2), given(steps, 3), given(L, 3)
+    k, budget = given(k, 2), given(budget, 6)
+    checkpoint = Checkpoint(folder)
+    c = checkpoint.config
+    if k > c.vocab_size:
+        raise ValueError(f"k: expected at most the model's vocabulary ({c.vocab_size}), got {k}")
+    experts = (f"{c.n_routed_experts} experts ({c.num_experts_per_tok} a token)"
+               if c.n_routed_experts else "dense")
+    out(f"{c.model_type} checkpoint {folder}: {c.num_hidden_layers} layers, "
+        f"{c.num_attention_heads} heads, latent {c.kv_lora_rank} + rope "
+        f"{c.qk_rope_head_dim}, {experts}, vocabulary {c.vocab_size}; {cache_dtype} cache; "
+        f"bs {bs}, L {L}, K {k}, budget {budget}; drafter accuracy {accuracy}\n")
+    t0 = time.perf_counter()
+    target = DeepseekV3Target(c, checkpoint, cache_dtype=cache_dtype)
+    with Progress("loading weights", len(checkpoint), progress_stream) as bar:
+        for name in checkpoint:
+            target.w(name)                      # read once; the forwards reuse it
+            bar.advance()
+    weights = {name: target.w(name) for name in checkpoint}
+    starts = np.random.default_rng(seed).integers(0, c.vocab_size, bs).astype(np.int32)
+    length = steps * (min(L, budget) + 1)
+    with Progress("reference greedy decoding", bs, progress_stream) as bar:
+        expected = []
+        for s in starts:
+            expected.append(greedy(c, weights, int(s), length, cache_dtype=cache_dtype))
+            bar.advance()
+    expected = np.array(expected, np.int32).reshape(bs, length)
+    continuation = np.concatenate([starts[:, None], expected], axis=1)
+    step = GreedyStep(target, ToyDrafter(continuation, vocab=c.vocab_size, accuracy=accuracy,
+                                         seed=seed),
+                      bs=bs, L=L, K=k, budget=budget, max_steps=steps, seed=seed)
+    step.start(starts)
+    accepted = []
+    with Progress("decoding", steps, progress_stream) as bar:
+        for _ in range(steps):
+            step()
+            accepted.append(step.last_step()["accept"].accept_len)
+            bar.advance()
+    tokens = step.tokens()
+    lossless = all(tokens[b] == expected[b, : len(tokens[b])].tolist() for b in range(bs))
+    mean_accept = float(np.mean(accepted))
+    out("")
+    for b in range(bs):
+        out(f"request {b}: start {starts[b]} -> {tokens[b]}")
+    out(f"\n{sum(map(len, tokens))} tokens in {steps} steps x {bs} requests: mean accepted "
+        f"length {mean_accept:.2f} draft tokens per step; {time.perf_counter() - t0:.1f} s "
+        f"({'CUDA simulator' if K.SIMULATOR else 'GPU'})")
+    out(f"output == the reference's plain greedy decoding: {lossless}")
+    if not lossless:
+        raise AssertionError("speculative output differs from plain greedy decoding")
+    return {"tokens": tokens, "mean_accept_len": mean_accept, "lossless": lossless}
