@@ -61,6 +61,8 @@ def tokens_at(bench, logit_scale):
     sizes, model, starts, greedy, continuation = demo_problem(
         sizes.bs, sizes.steps, sizes.L, sizes.K, sizes.budget, seed=0,
         config=ToyMLAConfig.gpu(logit_scale=logit_scale))
+    timed_run(build_step(model, continuation, sizes, mode="eager", accuracy=0.8, seed=0,
+                         sampling={"temperature": 1.0}), starts)     # compile: not timed
     for temperature in TEMPERATURES:
         sampling = {"temperature": temperature, "top_k": 0, "top_p": 1.0}
         runs = {mode: timed_run(build_step(model, continuation, sizes, mode=mode, accuracy=0.8,
@@ -205,7 +207,9 @@ def bench_kernels():
         sample = ref.sampling_probs(logits_t[:2].cpu().numpy(), *(np.full(2, v, dt) for v, dt in
                                     ((temperature, np.float32), (top_k, np.int32),
                                      (top_p, np.float32))))
-        visited = int(accept_len.sum()) + BS                # rows whose distribution is found
+        # the fused kernel's passes: those of sampling_probs but its write, at every visited
+        # row, and the residual's pass over the last row of each request
+        visited = int(accept_len.sum()) + BS
         unfused_ms = t_probs["ms"] + t_walk["ms"]
         torch_ms = t_torch["ms"] + t_torch_walk["ms"]
         bench.add(kernel="sampling_probs + tree_sample", params=name, **common,
@@ -215,7 +219,7 @@ def bench_kernels():
                   torch_us=torch_ms * 1e3, fused_vs_torch=torch_ms / t_fused["ms"],
                   unfused_vs_torch=torch_ms / unfused_ms, passes=PASSES[name],
                   probs_moved_gbs=(PASSES[name] + 1) * nbytes / (t_probs["ms"] * 1e-3) / 1e9,
-                  fused_moved_gbs=(PASSES[name] * visited + BS) * VOCAB * 4
+                  fused_moved_gbs=((PASSES[name] - 1) * visited + BS) * VOCAB * 4
                   / (t_fused["ms"] * 1e-3) / 1e9,
                   mean_accept_len=float(accept_len.mean()), fused_equals_unfused=exact,
                   torch_lengths_agree=bool((length.cpu().numpy() == accept_len).all()),

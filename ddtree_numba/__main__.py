@@ -231,7 +231,9 @@ def _make_model(args) -> int:
                                 shards=args.shards, progress=bar.update)
     except ValueError as error:             # refused before anything is written
         raise CommandError(str(error)) from None
-    bar.close()
+    finally:
+        if bar.total:                       # started: end its line before any error message
+            bar.close()
     c = checkpoint.config
     print(f"wrote a random {args.preset} {c.model_type} checkpoint to {args.outdir}: "
           f"{len(checkpoint)} tensors in {len(set(checkpoint.files.values()))} shards; try "
@@ -323,7 +325,7 @@ def make_parser() -> Parser:
                       "refused if it already holds a checkpoint)")
     make.add_argument("--preset", choices=("tiny", "small"), default="tiny",
                       help="tiny: runs on the CUDA simulator in seconds (default); small: "
-                      "576-wide cache rows, 22 M parameters")
+                      "576-wide cache rows, 21 M parameters")
     make.add_argument("--seed", type=int_in(0, MAX_SEED), default=0)
     make.add_argument("--shards", type=int_in(1, 99), default=2,
                       help="safetensors files (default 2)")

@@ -427,6 +427,8 @@ def _require_sampled_tree(token_ids, next_token, next_sibling, uniforms, bonus_u
     infos = [require_array(name, a, (INT32,), ("bs", "N"), sizes) for name, a in
              (("token_ids", token_ids), ("next_token", next_token),
               ("next_sibling", next_sibling))]
+    if sizes["N"] < 1:                          # checked or not: the walk starts at node 0
+        raise ValueError("token_ids: expected N >= 1 (node 0 is the root)")
     return infos + [require_array("uniforms", uniforms, (FLOAT32,), ("bs", "N"), sizes),
                     require_array("bonus_uniforms", bonus_uniforms, (FLOAT32,), ("bs",), sizes)]
 

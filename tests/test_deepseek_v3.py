@@ -327,3 +327,18 @@ def test_make_model_refuses_without_touching_the_folder(tmp_path):
     with pytest.raises(ValueError, match="shards: expected"):
         make_model(str(tmp_path / "x"), shards=0)
     assert sorted(os.listdir(tmp_path)) == ["config.json"]
+
+
+def test_make_model_interrupted_leaves_no_half_checkpoint(tmp_path):
+    """An error while writing (here from the progress callback, as Ctrl-C would come) removes
+    the files already written, so the folder can be used again."""
+    from ddtree_numba.models.deepseek_v3.make_model import make_model
+
+    def stop(done, total):
+        if done == 60:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        make_model(str(tmp_path), shards=3, progress=stop)
+    assert os.listdir(tmp_path) == []
+    assert len(make_model(str(tmp_path), shards=3)) == 91

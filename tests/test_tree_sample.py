@@ -358,3 +358,17 @@ def test_logits_kernel_bad_input_is_refused_by_name(change, message):
             fn(tree.token_ids, tree.next_token, tree.next_sibling, **args)
     for k, v in args.items():                                  # nothing the caller owns changed
         np.testing.assert_array_equal(v, before[k])
+
+
+def test_a_tree_without_nodes_is_refused_even_unchecked():
+    """N = 0 has no root to walk from: refused whatever ``check`` says (the kernels would read
+    node 0)."""
+    empty_i, empty_f = np.zeros((1, 0), np.int32), np.zeros((1, 0), np.float32)
+    params = (np.ones(1, np.float32), np.zeros(1, np.int32), np.ones(1, np.float32))
+    for check in (True, False):
+        with pytest.raises(ValueError, match=r"token_ids: expected N >= 1"):
+            K.tree_sample(empty_i, empty_i, empty_i, np.zeros((1, 0, 3), np.float32), empty_f,
+                          np.zeros(1, np.float32), check=check)
+        with pytest.raises(ValueError, match=r"token_ids: expected N >= 1"):
+            K.tree_sample_logits(empty_i, empty_i, empty_i, np.zeros((1, 0, 3), np.float32),
+                                 *params, empty_f, np.zeros(1, np.float32), check=check)

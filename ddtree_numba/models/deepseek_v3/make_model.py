@@ -14,8 +14,8 @@ routing with a correction bias, shared experts, YaRN, interleaved RoPE):
 * ``tiny``: hidden 64, 4 heads, latent 32 + rope 8, query LoRA 24, 3 layers, 8 experts in 4
   groups, vocabulary 256: decodes on numba's CUDA simulator in seconds;
 * ``small``: hidden 512, 8 heads, latent 512 + rope 64 (DeepSeek-V3's 576-wide cache rows),
-  no query LoRA (as Moonlight), 3 layers, 16 experts, vocabulary 4096: ~22 M parameters,
-  44 MB, sized for a GPU.
+  no query LoRA (as Moonlight), 3 layers, 16 experts, vocabulary 4096: 20.8 M parameters,
+  41.7 MB, sized for a GPU.
 
 The weights are seeded normal draws: a linear map of fan-in ``n`` gets standard deviation
 ``1.2 / sqrt(n)`` (activations keep their scale through the layers), the embedding 1, the
@@ -131,7 +131,8 @@ def make_model(folder: str, *, preset: str = "tiny", seed: int = 0, shards: int 
     Parameters
     ----------
     folder : str
-        Must not already hold a ``config.json`` or safetensors files (nothing is overwritten).
+        Must not already hold a ``config.json`` or safetensors files (nothing is overwritten;
+        if writing fails midway, the files written so far are removed).
     preset : str
         ``"tiny"`` or ``"small"`` (``PRESETS`` in this module).
     seed : int
@@ -161,20 +162,29 @@ def make_model(folder: str, *, preset: str = "tiny", seed: int = 0, shards: int 
     total = sum(int(np.prod(s)) * (4 if n.endswith("bias") else 2) for n, s in shapes.items())
     shards = min(shards, len(shapes))
     os.makedirs(folder, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    weight_map, written = {}, 0
-    for shard, run in enumerate(np.array_split(np.array(list(shapes)), shards)):
-        file = f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"
-        tensors = {}
-        for name in map(str, run):
-            tensors[name] = random_tensor(name, shapes[name], config["hidden_size"], rng)
-            weight_map[name] = file
-            written += 1
-            if progress is not None:
-                progress(written, len(shapes))
-        save_file(tensors, os.path.join(folder, file), metadata={"format": "pt"})
-    with open(os.path.join(folder, INDEX), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    created = []                                # removed again if writing fails midway
+    try:
+        rng = np.random.default_rng(seed)
+        weight_map, written = {}, 0
+        for shard, run in enumerate(np.array_split(np.array(list(shapes)), shards)):
+            file = f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"
+            tensors = {}
+            for name in map(str, run):
+                tensors[name] = random_tensor(name, shapes[name], config["hidden_size"], rng)
+                weight_map[name] = file
+                written += 1
+                if progress is not None:
+                    progress(written, len(shapes))
+            created.append(os.path.join(folder, file))
+            save_file(tensors, created[-1], metadata={"format": "pt"})
+        for name, content in ((INDEX, {"metadata": {"total_size": total},
+                                       "weight_map": weight_map}), ("config.json", config)):
+            created.append(os.path.join(folder, name))
+            with open(created[-1], "w") as f:
+                json.dump(content, f, indent=2)
+    except BaseException:                       # an I/O error, Ctrl-C: leave no half checkpoint
+        for path in created:
+            if os.path.exists(path):
+                os.remove(path)
+        raise
     return Checkpoint(folder)
