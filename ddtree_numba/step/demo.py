@@ -91,8 +91,12 @@ def _reference_for(step: GreedyStep, model: ToyMLA) -> tuple:
     return table, page_size
 
 
-def checked_run(step: GreedyStep, model: ToyMLA, starts, *, out=print) -> dict:
-    """Decode ``step.max_steps`` steps, checking each against the reference step."""
+def _checked_steps(step: GreedyStep, model: ToyMLA, starts, reference_step, own: str,
+                   out) -> dict:
+    """Decode ``step.max_steps`` steps, checking each against ``reference_step(drafter, roots,
+    table, prefix)`` (the reference step on the same drafter logits): the same tree, accepted
+    path and tokens, prefix lengths and ``own`` array (``target_predict`` of a greedy step,
+    ``uniforms`` of a sampled one), and committed cache rows within ``CACHE_RTOL``."""
     table, page_size = _reference_for(step, model)
     roots, prefix = np.asarray(starts, np.int32).copy(), np.zeros(step.bs, np.int32)
     step.start(starts)
@@ -100,12 +104,11 @@ def checked_run(step: GreedyStep, model: ToyMLA, starts, *, out=print) -> dict:
     for s in range(step.max_steps):
         step()
         got = step.last_step()
-        want = ref.greedy_step(model, FixedDrafter(got["draft_logits"]), roots, table, prefix,
-                               k=step.K, budget=step.budget)
+        want = reference_step(FixedDrafter(got["draft_logits"]), roots, table, prefix)
         tree, accept = got["tree"], got["accept"]
         same = (np.array_equal(tree.parents, want.tree.parents)
                 and np.array_equal(tree.token_ids, want.tree.token_ids)
-                and np.array_equal(got["target_predict"], want.target_predict)
+                and np.array_equal(got[own], getattr(want, own))
                 and np.array_equal(accept.accept_nodes, want.accept.accept_nodes)
                 and np.array_equal(accept.accept_tokens, want.accept.accept_tokens)
                 and np.array_equal(got["prefix_lens"], want.prefix_lens))
@@ -128,36 +131,28 @@ def checked_run(step: GreedyStep, model: ToyMLA, starts, *, out=print) -> dict:
     return {"tokens": step.tokens(), "history": history}
 
 
+def checked_run(step: GreedyStep, model: ToyMLA, starts, *, out=print) -> dict:
+    """Decode ``step.max_steps`` steps, checking each against the reference step."""
+    def reference_step(drafter, roots, table, prefix):
+        return ref.greedy_step(model, drafter, roots, table, prefix, k=step.K,
+                               budget=step.budget)
+
+    return _checked_steps(step, model, starts, reference_step, "target_predict", out)
+
+
 def checked_sampled_run(step: SampledStep, model: ToyMLA, starts, *, out=print) -> dict:
     """Decode ``step.max_steps`` sampled steps, checking each against the reference sampled
     step with the step's own parameters, on the same drafter logits: the same uniforms, bit for
     bit, and the same accepted tokens (which the float32-vs-float64 probabilities could only
     change for logits that tie in float32 or a uniform within rounding of a partial sum)."""
-    table, _ = _reference_for(step, model)
     params = {"temperature": step.temperature.copy_to_host(),
               "top_k": step.top_k.copy_to_host(), "top_p": step.top_p.copy_to_host()}
-    roots, prefix = np.asarray(starts, np.int32).copy(), np.zeros(step.bs, np.int32)
-    step.start(starts)
-    history = []
-    for s in range(step.max_steps):
-        step()
-        got = step.last_step()
-        want = ref.sampled_step(model, FixedDrafter(got["draft_logits"]), roots, table, prefix,
-                                k=step.K, budget=step.budget, seed=step.seed, **params)
-        same = (np.array_equal(got["uniforms"], want.uniforms)
-                and np.array_equal(got["accept"].accept_nodes, want.accept.accept_nodes)
-                and np.array_equal(got["accept"].accept_tokens, want.accept.accept_tokens)
-                and np.array_equal(got["prefix_lens"], want.prefix_lens))
-        if not same:
-            raise AssertionError(f"step {s}: the device step disagrees with the reference")
-        accept = got["accept"]
-        for b in range(step.bs):
-            k = int(accept.accept_len[b])
-            out(f"step {s} req {b}: accepted {k} -> tokens "
-                f"{accept.accept_tokens[b, : k + 1].tolist()}")
-        history.append({"tree": got["tree"], "accept": accept})
-        roots, prefix = want.accept.bonus_token.copy(), want.prefix_lens
-    return {"tokens": step.tokens(), "history": history}
+
+    def reference_step(drafter, roots, table, prefix):
+        return ref.sampled_step(model, drafter, roots, table, prefix, k=step.K,
+                                budget=step.budget, seed=step.seed, **params)
+
+    return _checked_steps(step, model, starts, reference_step, "uniforms", out)
 
 
 def timed_run(step: GreedyStep, starts) -> dict:
