@@ -7,7 +7,9 @@ against the device-to-device copy bandwidth measured in the same run. Baselines:
 (log-softmax, then a full ``argsort``).
 
 tree_accept / commit_kv: bs in {1, 64}, N in {64, 1025}, on trees from the reference builder
-and accepted paths of depth up to L = 15 (FlashMLA-style cache: 576-wide rows, 64-row pages).
+and accepted paths of depth up to L = 15 (FlashMLA-style cache: 576-wide rows, 64-row pages):
+each alone, the two launches together, and ``accept_commit`` (both in one launch; its result
+checked against the two), with the floor of a graph replay (one empty kernel) in the same run.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import cupy as cp
 import numpy as np
 import torch
 from harness import Bench, copy_bandwidth_gbs, print_table
+from numba import cuda
 
 from ddtree_numba import kernels as K
 from ddtree_numba import reference as ref
+from ddtree_numba.kernels._device import launch, launch_stream
 
 
 def bench_draft_topk(quick: bool):
@@ -78,6 +82,13 @@ def bench_draft_topk(quick: bool):
                 f"{bench.rows[0]['copy_gbs']:.0f} GB/s (read + write)")
 
 
+@cuda.jit
+def _empty_kernel(flag):
+    """Does nothing (its argument keeps it a real launch): the floor of a graph replay."""
+    if flag[0] == 12345:
+        flag[0] = 0
+
+
 def accepted_paths(tree, depth_limit, rng):
     """Predictions that follow the first child to depth_limit (a long accepted path)."""
     bs, N = tree.parents.shape
@@ -97,6 +108,9 @@ def accepted_paths(tree, depth_limit, rng):
 def bench_accept_commit(quick: bool):
     bench = Bench("accept_commit")
     rng = np.random.default_rng(1)
+    flag = K.as_device(cp.zeros(1, cp.int32))
+    floor = bench.time_device(lambda: launch(_empty_kernel, 1, 32, launch_stream())(flag))
+    floor_us = floor["ms"] * 1e3
     L, page_size, D = 15, 64, 576
     for N in (64, 1025):
         for bs in (1, 64):
@@ -118,8 +132,9 @@ def bench_accept_commit(quick: bool):
             prefix = rng.integers(0, 8192, bs).astype(np.int32)
             pages_per = (int(prefix.max()) + N + page_size - 1) // page_size
             table = rng.permutation(bs * pages_per).astype(np.int32).reshape(bs, pages_per)
-            cache = K.as_device(cp.asarray(rng.standard_normal(
-                (bs * pages_per, page_size, D)).astype(np.float32)))
+            cache_cp = cp.asarray(rng.standard_normal(
+                (bs * pages_per, page_size, D)).astype(np.float32))
+            cache = K.as_device(cache_cp)                   # a view: both name one buffer
             c_args = [K.as_device(a) for a in (table, prefix, want.accept_nodes,
                                                want.accept_len)]
             new_prefix = K.as_device(cp.empty(bs, cp.int32))
@@ -128,12 +143,35 @@ def bench_accept_commit(quick: bool):
                 K.commit_kv(cache, *c_args, out=new_prefix)
 
             t_com = bench.time_device(commit, reps=50)
+            t_both = bench.time_device(lambda: (accept(), commit()), reps=50)
+            # the fused launch: the same result, from fresh copies of the cache
+            before = cache_cp.copy()
+            fused_out = (K.allocate_accept(bs, N), K.as_device(cp.empty(bs, cp.int32)))
+            fused_args = [K.as_device(a) for a in (tree.token_ids, tree.next_token,
+                                                   tree.next_sibling, predict, table, prefix)]
+
+            def fused():
+                K.accept_commit(*fused_args[:4], cache, *fused_args[4:], out=fused_out)
+
+            fused()
+            fused_cache = cache_cp.copy()
+            cache_cp[...] = before
+            accept()
+            commit()
+            fused_exact = bool((fused_cache == cache_cp).all()
+                               and (fused_out[0].accept_nodes.copy_to_host()
+                                    == want.accept_nodes).all())
+            t_fused = bench.time_device(fused, reps=50)
             bench.add(bs=bs, N=N, mean_accept_len=float(want.accept_len.mean()),
                       tree_accept_us=t_acc["ms"] * 1e3, commit_kv_us=t_com["ms"] * 1e3,
-                      accept_exact=exact)
+                      both_us=t_both["ms"] * 1e3, accept_commit_us=t_fused["ms"] * 1e3,
+                      graph_floor_us=floor_us, accept_exact=exact, fused_exact=fused_exact)
     bench.write_csv()
     print_table(bench.rows, ["bs", "N", "mean_accept_len", "tree_accept_us", "commit_kv_us",
-                             "accept_exact"], f"tree_accept / commit_kv on {bench.gpu}")
+                             "both_us", "accept_commit_us", "graph_floor_us", "accept_exact",
+                             "fused_exact"],
+                f"tree_accept / commit_kv / accept_commit on {bench.gpu}; graph_floor_us: a "
+                f"graph of one empty kernel")
 
 
 if __name__ == "__main__":

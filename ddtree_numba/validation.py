@@ -527,6 +527,32 @@ def check_tree_sample_logits(token_ids, next_token, next_sibling, logits, temper
     return sz
 
 
+def check_accept_commit(token_ids, next_token, next_sibling, target_predict, kv_cache,
+                        block_table, prefix_lens, *, check=None) -> CommitSizes:
+    """The tree lists as for :func:`check_tree_accept`; ``kv_cache`` one layer
+    ``[num_pages, page_size, D]`` or all, ``[layers, num_pages, page_size, D]``;
+    ``block_table`` and ``prefix_lens`` as for :func:`check_commit_kv`, with valid, distinct
+    pages for the slots ``[0, P + N)`` of every request (the path is the walk's: a root path
+    of the tree, so ``a_i >= i``)."""
+    sizes: dict = {}
+    infos = [require_array(name, a, (INT32,), ("bs", "N"), sizes) for name, a in
+             (("token_ids", token_ids), ("next_token", next_token),
+              ("next_sibling", next_sibling), ("target_predict", target_predict))]
+    dims = ("num_pages", "page_size", "D")
+    if len(array_info("kv_cache", kv_cache).shape) == 4:
+        dims = ("layers", *dims)
+    infos += [require_array("kv_cache", kv_cache, (FLOAT32, BFLOAT16, FLOAT16), dims, sizes),
+              require_array("block_table", block_table, (INT32,), ("bs", "max_pages"), sizes),
+              require_array("prefix_lens", prefix_lens, (INT32,), ("bs",), sizes)]
+    require_page_size(infos[4], sizes)
+    wanted = _values_wanted(infos, check)
+    sz = check_tree_accept(token_ids, next_token, next_sibling, target_predict, check=wanted)
+    if wanted:
+        check_paged_slots(block_table, prefix_lens, sz.N, sizes["num_pages"],
+                          sizes["page_size"])
+    return CommitSizes(sz.bs, sz.N, sizes["num_pages"], sizes["page_size"], sizes["D"])
+
+
 @dataclass(frozen=True)
 class UniformSizes:
     bs: int

@@ -42,7 +42,7 @@ def report_rows():
 def test_every_kernel_compiles_for_sm120_and_sm90(report_rows):
     assert {row["cc"] for row in report_rows} == {"12.0", "9.0"}
     stages = {row["stage"] for row in report_rows}
-    assert stages == {"build_tree", "draft_topk", "tree_accept", "tree_sample",
+    assert stages == {"build_tree", "draft_topk", "tree_accept", "accept_commit", "tree_sample",
                       "tree_sample_logits", "commit_kv",
                       "sampling_probs", "sample_uniforms",
                       "verify_attn", "dense_ops", "toy_drafter", "step"}

@@ -6,6 +6,7 @@ stream (:func:`use_stream`) without synchronising, and returns device arrays.
 """
 
 from ._device import SIMULATOR, as_device, use_stream
+from .accept_commit import accept_commit
 from .build_tree import allocate_tree, build_tree
 from .commit_kv import commit_kv
 from .draft_topk import draft_topk
@@ -17,6 +18,7 @@ from .verify_attn import allocate_workspace, verify_attn
 
 __all__ = [
     "SIMULATOR",
+    "accept_commit",
     "allocate_accept",
     "allocate_probs",
     "allocate_tree",

@@ -37,17 +37,18 @@ CHUNK = 8       # moves in flight per thread: k <= L <= 15 in DDTree, so one or 
 
 
 @cuda.jit(device=True, inline=True)
-def _read(kv_cache, block_table, accept_nodes, b, P, k, col, vals, dst_page, i, j):
-    """Move ``i`` (slot ``P + a_i`` to slot ``P + i``): its value into ``vals[j]`` and its
-    destination page into ``dst_page[j]`` (``-1``: no move). Every address is checked."""
+def _read(kv_cache, block_table, nodes, N, b, P, k, col, vals, dst_page, i, j):
+    """Move ``i`` (slot ``P + a_i`` to slot ``P + i``, ``a_i = nodes[i]``): its value into
+    ``vals[j]`` and its destination page into ``dst_page[j]`` (``-1``: no move). Every address
+    is checked."""
     num_pages, page_size = kv_cache.shape[0], kv_cache.shape[1]
     capacity = block_table.shape[1] * page_size
     dst_page[j] = -1
     if i <= k:
-        a = accept_nodes[b, i]
+        a = nodes[i]
         src = P + a
         dst = P + i
-        if 0 <= a < accept_nodes.shape[1] and 0 <= src < capacity and 0 <= dst < capacity:
+        if 0 <= a < N and 0 <= src < capacity and 0 <= dst < capacity:
             page = block_table[b, src // page_size]
             if 0 <= page < num_pages:
                 vals[j] = kv_cache[page, src % page_size, col]
@@ -62,22 +63,11 @@ def _write(kv_cache, P, col, vals, dst_page, i, j):
         kv_cache[page, (P + i) % kv_cache.shape[1], col] = vals[j]
 
 
-@cuda.jit
-def _commit_kv_kernel(kv_cache, block_table, prefix_lens, accept_nodes, accept_len,
-                      new_prefix_lens):
-    b = cuda.blockIdx.y
-    col = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    N = accept_nodes.shape[1]
-    P = int64(prefix_lens[b])                       # int64: P + a never wraps around
-    k = min(max(accept_len[b], 0), N - 1)
-    if P < 0 or P > MAX_POSITION - N:               # not a valid prefix: commit nothing
-        if col == 0:
-            new_prefix_lens[b] = P
-        return
-    if col == 0:
-        new_prefix_lens[b] = P + k + 1              # <= P + N <= MAX_POSITION
-    if col >= kv_cache.shape[2]:
-        return
+@cuda.jit(device=True, inline=True)
+def commit_column(kv_cache, block_table, nodes, N, b, P, k, col):
+    """Moves ``1..k`` of request ``b`` for column ``col`` of a ``[num_pages, page_size, D]``
+    cache; ``nodes[i]`` is the path's node ``a_i`` (a row of ``accept_nodes``, or the accept
+    kernel's path in shared memory). No other thread touches this column of these rows."""
     # Registers, not local memory: vals and dst_page are only ever indexed by the literal j
     # of the calls below (spelled out rather than a loop, so that this holds whatever a
     # compiler's unrolling heuristics decide; CUDA 13.0's NVVM left a loop here rolled for
@@ -86,14 +76,14 @@ def _commit_kv_kernel(kv_cache, block_table, prefix_lens, accept_nodes, accept_l
     dst_page = cuda.local.array(CHUNK, int32)
     for i0 in range(1, k + 1, CHUNK):
         # 1. read up to CHUNK sources (all loads in flight at once) ...
-        _read(kv_cache, block_table, accept_nodes, b, P, k, col, vals, dst_page, i0, 0)
-        _read(kv_cache, block_table, accept_nodes, b, P, k, col, vals, dst_page, i0 + 1, 1)
-        _read(kv_cache, block_table, accept_nodes, b, P, k, col, vals, dst_page, i0 + 2, 2)
-        _read(kv_cache, block_table, accept_nodes, b, P, k, col, vals, dst_page, i0 + 3, 3)
-        _read(kv_cache, block_table, accept_nodes, b, P, k, col, vals, dst_page, i0 + 4, 4)
-        _read(kv_cache, block_table, accept_nodes, b, P, k, col, vals, dst_page, i0 + 5, 5)
-        _read(kv_cache, block_table, accept_nodes, b, P, k, col, vals, dst_page, i0 + 6, 6)
-        _read(kv_cache, block_table, accept_nodes, b, P, k, col, vals, dst_page, i0 + 7, 7)
+        _read(kv_cache, block_table, nodes, N, b, P, k, col, vals, dst_page, i0, 0)
+        _read(kv_cache, block_table, nodes, N, b, P, k, col, vals, dst_page, i0 + 1, 1)
+        _read(kv_cache, block_table, nodes, N, b, P, k, col, vals, dst_page, i0 + 2, 2)
+        _read(kv_cache, block_table, nodes, N, b, P, k, col, vals, dst_page, i0 + 3, 3)
+        _read(kv_cache, block_table, nodes, N, b, P, k, col, vals, dst_page, i0 + 4, 4)
+        _read(kv_cache, block_table, nodes, N, b, P, k, col, vals, dst_page, i0 + 5, 5)
+        _read(kv_cache, block_table, nodes, N, b, P, k, col, vals, dst_page, i0 + 6, 6)
+        _read(kv_cache, block_table, nodes, N, b, P, k, col, vals, dst_page, i0 + 7, 7)
         # 2. ... then write them in ascending i (a_i >= i: no read above saw a write)
         _write(kv_cache, P, col, vals, dst_page, i0, 0)
         _write(kv_cache, P, col, vals, dst_page, i0 + 1, 1)
@@ -103,6 +93,31 @@ def _commit_kv_kernel(kv_cache, block_table, prefix_lens, accept_nodes, accept_l
         _write(kv_cache, P, col, vals, dst_page, i0 + 5, 5)
         _write(kv_cache, P, col, vals, dst_page, i0 + 6, 6)
         _write(kv_cache, P, col, vals, dst_page, i0 + 7, 7)
+
+
+@cuda.jit(device=True, inline=True)
+def valid_prefix(P, N):
+    """A prefix a step may start from: ``0 <= P`` and ``P + N <= MAX_POSITION`` (others commit
+    nothing and keep their length)."""
+    return P >= 0 and P <= MAX_POSITION - N
+
+
+@cuda.jit
+def _commit_kv_kernel(kv_cache, block_table, prefix_lens, accept_nodes, accept_len,
+                      new_prefix_lens):
+    b = cuda.blockIdx.y
+    col = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    N = accept_nodes.shape[1]
+    P = int64(prefix_lens[b])                       # int64: P + a never wraps around
+    k = min(max(accept_len[b], 0), N - 1)
+    if not valid_prefix(P, N):                      # not a valid prefix: commit nothing
+        if col == 0:
+            new_prefix_lens[b] = P
+        return
+    if col == 0:
+        new_prefix_lens[b] = P + k + 1              # <= P + N <= MAX_POSITION
+    if col < kv_cache.shape[2]:
+        commit_column(kv_cache, block_table, accept_nodes[b], N, b, P, k, col)
 
 
 def commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len, *, check=None,

@@ -51,20 +51,15 @@ def write_accept_rows(b, path, k, bonus, tokens, tid, threads, N, accept_nodes, 
             accept_tokens[b, i] = -1
 
 
-@cuda.jit
-def _tree_accept_kernel(token_ids, next_token, next_sibling, target_predict, accept_nodes,
-                        accept_len, accept_tokens, bonus_token):
-    b = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    threads = cuda.blockDim.x
-    N = token_ids.shape[1]
-    tok = cuda.shared.array(MAX_NODES, int32)
+@cuda.jit(device=True, inline=True)
+def greedy_walk(token_ids, next_token, next_sibling, target_predict, b, tid, threads, N, tok,
+                path, result):
+    """Phases 1 and 2 (all threads call it): stage request ``b``'s rows into shared memory and
+    walk them in thread 0. Afterwards every thread sees the path ``path[0..k]``, ``result[0] =
+    k`` and ``result[1]`` the bonus token, and ``tok`` holds the node tokens."""
     first = cuda.shared.array(MAX_NODES, int32)
     sib = cuda.shared.array(MAX_NODES, int32)
     pred = cuda.shared.array(MAX_NODES, int32)
-    path = cuda.shared.array(MAX_NODES, int32)
-    result = cuda.shared.array(2, int32)            # [k, bonus]
-
     for i in range(tid, N, threads):                # 1. stage the request's rows
         tok[i] = token_ids[b, i]
         first[i] = next_token[b, i]
@@ -91,8 +86,21 @@ def _tree_accept_kernel(token_ids, next_token, next_sibling, target_predict, acc
             steps += 1
         result[0] = k
         result[1] = pred[cur]
-    cuda.syncthreads()                              # path complete before the write-out
+    cuda.syncthreads()                              # path complete before anyone reads it
 
+
+@cuda.jit
+def _tree_accept_kernel(token_ids, next_token, next_sibling, target_predict, accept_nodes,
+                        accept_len, accept_tokens, bonus_token):
+    b = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    threads = cuda.blockDim.x
+    N = token_ids.shape[1]
+    tok = cuda.shared.array(MAX_NODES, int32)
+    path = cuda.shared.array(MAX_NODES, int32)
+    result = cuda.shared.array(2, int32)            # [k, bonus]
+    greedy_walk(token_ids, next_token, next_sibling, target_predict, b, tid, threads, N, tok,
+                path, result)                       # 1. and 2.
     write_accept_rows(b, path, result[0], result[1], tok, tid, threads, N,  # 3. write-out
                       accept_nodes, accept_len, accept_tokens, bonus_token)
 

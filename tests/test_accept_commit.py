@@ -1,0 +1,118 @@
+"""accept_commit: greedy accept and KV commit in one launch, bit-exact to tree_accept then
+commit_kv (references) on one layer and on every layer of a 4-D cache; 16-bit caches; deep
+paths; unchecked garbage stays in bounds; bad input named; nothing changed on error."""
+
+import numpy as np
+import pytest
+from cases import paged_cache, random_parents
+from ml_dtypes import bfloat16
+
+from ddtree_numba import kernels as K
+from ddtree_numba import reference as ref
+
+FIELDS = ("accept_nodes", "accept_len", "accept_tokens", "bonus_token")
+
+
+def problem(seed, bs, N, layers, dtype, page_size=4, D=12):
+    """Random trees whose predictions follow a random child (deep paths), a random prefix per
+    request, and a shuffled paged cache of ``layers`` layers (None: one 3-D layer)."""
+    rng = np.random.default_rng(seed)
+    parents, tokens = random_parents(rng, bs, N)
+    tree = ref.tree_from_parents(parents, tokens)
+    predict = np.full((bs, N), 10**6, np.int32)
+    for b in range(bs):
+        for i in range(N):
+            kids = np.flatnonzero(parents[b] == i)
+            if kids.size and rng.random() < 0.8:
+                predict[b, i] = tree.token_ids[b, kids[rng.integers(0, kids.size)]]
+    prefix = rng.integers(0, 20, bs).astype(np.int32)
+    one, table = paged_cache(rng, bs, prefix, N, page_size=page_size, D=D, dtype=dtype)
+    cache = one if layers is None else np.stack(
+        [one] + [rng.standard_normal(one.shape).astype(dtype) for _ in range(layers - 1)])
+    return tree, predict, cache, table, prefix
+
+
+def expected(tree, predict, cache, table, prefix):
+    want_accept = ref.tree_accept(tree.token_ids, tree.next_token, tree.next_sibling, predict)
+    want = cache.copy()
+    for layer in (want if want.ndim == 4 else [want]):      # views: moved in place
+        new_prefix = ref.commit_kv(layer, table, prefix, want_accept.accept_nodes,
+                                   want_accept.accept_len)
+    return want_accept, want, new_prefix
+
+
+@pytest.mark.parametrize("seed, bs, N, layers, dtype", [
+    (0, 3, 20, None, np.float32), (1, 4, 33, 3, np.float32), (2, 2, 12, 2, bfloat16),
+    (3, 1, 1, 2, np.float16), (4, 5, 60, 1, np.float32)])
+def test_equals_tree_accept_then_commit_kv(seed, bs, N, layers, dtype):
+    tree, predict, cache, table, prefix = problem(seed, bs, N, layers, dtype)
+    want_accept, want_cache, want_prefix = expected(tree, predict, cache, table, prefix)
+    got_cache = cache.copy()
+    res, new_prefix = K.accept_commit(tree.token_ids, tree.next_token, tree.next_sibling,
+                                      predict, got_cache, table, prefix)
+    got = res.to_host()
+    for field in FIELDS:
+        np.testing.assert_array_equal(getattr(got, field), getattr(want_accept, field),
+                                      err_msg=field)
+    assert got_cache.tobytes() == want_cache.tobytes()     # every other row untouched
+    np.testing.assert_array_equal(new_prefix.copy_to_host(), want_prefix)
+    if N > 1:
+        assert want_accept.accept_len.max() >= 1            # some rows really moved
+
+
+def test_device_cache_in_place_and_out_buffers():
+    tree, predict, cache, table, prefix = problem(5, 3, 25, 2, np.float32)
+    want_accept, want_cache, want_prefix = expected(tree, predict, cache, table, prefix)
+    device_cache = K.as_device(cache)
+    out = (K.allocate_accept(3, 25), K.as_device(np.zeros(3, np.int32)))
+    args = [K.as_device(a) for a in (tree.token_ids, tree.next_token, tree.next_sibling,
+                                     predict)]
+    res, new_prefix = K.accept_commit(*args, device_cache, K.as_device(table),
+                                      K.as_device(prefix), out=out)
+    assert res is out[0] and new_prefix is out[1]
+    assert device_cache.copy_to_host().tobytes() == want_cache.tobytes()
+    np.testing.assert_array_equal(new_prefix.copy_to_host(), want_prefix)
+
+
+def test_unchecked_garbage_stays_in_bounds():
+    """check=False with links, prefixes and pages outside their ranges: an answer, no crash,
+    and a prefix that is no valid start commits nothing and keeps its length."""
+    rng = np.random.default_rng(7)
+    bs, N = 3, 9
+    lists = [rng.integers(-3, N + 3, (bs, N)).astype(np.int32) for _ in range(4)]
+    cache = rng.standard_normal((2, 4, 2, 8)).astype(np.float32)
+    table = rng.integers(-2, 6, (bs, 3)).astype(np.int32)
+    prefix = np.array([-5, 2, 2**31 - 4], np.int32)
+    res, new_prefix = K.accept_commit(*(K.as_device(a) for a in lists), K.as_device(cache),
+                                      K.as_device(table), K.as_device(prefix), check=False)
+    k = res.accept_len.copy_to_host()
+    assert ((0 <= k) & (k <= N - 1)).all()
+    np.testing.assert_array_equal(new_prefix.copy_to_host()[[0, 2]], prefix[[0, 2]])
+
+
+@pytest.mark.parametrize("change, message", [
+    ("prefix", r"prefix_lens"),
+    ("table", r"block_table"),
+    ("cache_dtype", r"kv_cache: expected float32"),
+    ("cache_rank", r"kv_cache: expected"),
+    ("link", r"next_token"),
+])
+def test_bad_input_is_refused_by_name_and_nothing_changes(change, message):
+    tree, predict, cache, table, prefix = problem(6, 2, 10, 2, np.float32)
+    next_token = tree.next_token.copy()
+    if change == "prefix":
+        prefix = np.array([-1, 0], np.int32)
+    elif change == "table":
+        table = table[:, :1].copy()
+    elif change == "cache_dtype":
+        cache = cache.astype(np.float64)
+    elif change == "cache_rank":
+        cache = cache[0, 0]
+    elif change == "link":
+        next_token[0, 0] = 77
+    before = [a.copy() for a in (cache, table, prefix, next_token)]
+    with pytest.raises((ValueError, TypeError), match=message):
+        K.accept_commit(tree.token_ids, next_token, tree.next_sibling, predict, cache, table,
+                        prefix)
+    for a, b in zip((cache, table, prefix, next_token), before, strict=True):
+        np.testing.assert_array_equal(a, b)
