@@ -15,6 +15,8 @@ One step, seen from these interfaces::
     logits = target.forward(tree, block_table, prefix_lens)         [bs * N, V] per step
     ... argmax, tree_accept ...
     for cache in target.kv_caches(): commit_kv(cache, ...)           every layer's cache
+                                       (GreedyStep: one accept_commit launch when
+                                        target.kv_cache stacks the layers)
 
 Arrays are numpy arrays for the reference step and device arrays for :class:`GreedyStep`; a
 target or drafter written for one is used with that one (the toy MLA has one of each: the
@@ -49,7 +51,10 @@ class Target(Protocol):
 
     def kv_caches(self) -> Sequence[Any]:
         """One ``[num_pages, page_size, D]`` cache per layer, committed along the accepted path
-        after each step (views, not copies: ``commit_kv`` updates them in place)."""
+        after each step (views, not copies: ``commit_kv`` updates them in place). A target
+        that also has ``kv_cache``, one ``[layers, num_pages, page_size, D]`` array whose
+        layers are these views, gets every layer committed in one launch
+        (``kernels.accept_commit``) by :class:`~ddtree_numba.GreedyStep`."""
 
     def forward(self, tree: DraftTree, block_table, prefix_lens) -> Any:
         """Logits ``[bs * N, V]`` (row ``b * N + j`` is node ``j`` of request ``b``; rows of

@@ -127,6 +127,72 @@ def test_device_step_equals_reference_step_every_step():
         assert run["tokens"][b] == greedy[b, : len(run["tokens"][b])].tolist()
 
 
+class LayerByLayer:
+    """A target that shows only the ``Target`` interface (no ``kv_cache`` stack): the step must
+    then accept and commit in two halves, ``tree_accept`` and ``commit_kv`` per layer."""
+
+    def __init__(self, target):
+        self.target, self.vocab = target, target.vocab
+
+    def allocate(self, **sizes):
+        self.target.allocate(**sizes)
+
+    def kv_caches(self):
+        return self.target.kv_caches()
+
+    def forward(self, tree, block_table, prefix_lens):
+        return self.target.forward(tree, block_table, prefix_lens)
+
+
+def test_step_fuses_accept_and_commit_only_for_a_stacked_cache():
+    """The toy target keeps its layers in one array: one ``accept_commit`` launch. The same
+    target behind the bare interface runs the two halves, with the same tokens, accepted
+    lengths and committed cache."""
+    config = ToyMLAConfig.tiny()
+    runs = []
+    for wrap in (False, True):
+        model, step, starts, greedy = setup(config, bs=2, steps=3, L=4, k=3, budget=12,
+                                            accuracy=0.7, seed=8)
+        if wrap:
+            step = GreedyStep(LayerByLayer(step.target), step.drafter, bs=2, L=4, K=3,
+                              budget=12, max_steps=3, seed=8)
+        names = [name for name, _ in step.stages()]
+        fused = "accept_commit" in names
+        assert fused != wrap and (("tree_accept" in names) == ("commit_kv" in names) == wrap)
+        tokens, accepted = decode(step, starts)
+        for b in range(2):
+            assert tokens[b] == greedy[b, : len(tokens[b])].tolist()
+        cache = np.stack([c.copy_to_host() for c in step.target.kv_caches()])
+        runs.append((tokens, accepted, cache))
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+    np.testing.assert_array_equal(runs[0][2], runs[1][2])
+
+
+def test_stacked_kv_cache_needs_the_layers_themselves():
+    """A ``kv_cache`` attribute counts as the stack only when its layers are the very arrays
+    (memory, shape, strides) that ``kv_caches()`` returns."""
+    from numba import cuda
+
+    from ddtree_numba.step.greedy import stacked_kv_cache
+
+    class Holder:
+        def __init__(self, stack, layers):
+            self.kv_cache, self.layers = stack, layers
+
+        def kv_caches(self):
+            return self.layers
+
+    stack = cuda.to_device(np.zeros((3, 2, 4, 5), np.float32))
+    assert stacked_kv_cache(Holder(stack, [stack[i] for i in range(3)])) is stack
+    copies = [cuda.to_device(stack[i].copy_to_host()) for i in range(3)]
+    assert stacked_kv_cache(Holder(stack, copies)) is None              # other memory
+    assert stacked_kv_cache(Holder(stack, [stack[i] for i in (0, 2, 1)])) is None  # order
+    assert stacked_kv_cache(Holder(stack, [stack[i] for i in range(2)])) is None   # count
+    single = stack[1]
+    assert stacked_kv_cache(Holder(None, [single])) is single            # one layer
+
+
 def test_step_makes_no_host_transfer(monkeypatch):
     """Inside a step nothing is copied between host and device (so nothing synchronises)."""
     _, step, starts, _ = setup(TINY, bs=2, steps=2, L=3, k=2, budget=8, accuracy=0.8, seed=2)

@@ -8,8 +8,8 @@ One call runs, for every request of the batch, with no host synchronisation::
     target.forward(tree, block_table, prefix)   -> target logits     [bs * N, V]
                                                    (and each node's cache row at slot P + j)
     argmax                                      -> target_predict     [bs, N]
-    kernels.tree_accept                         -> AcceptResult
-    kernels.commit_kv  (once per layer cache)   -> accepted rows moved to P + 1 .. P + k
+    kernels.accept_commit                       -> AcceptResult, and the accepted rows of
+                                                   every layer moved to P + 1 .. P + k
     advance                                     -> emitted tokens appended; prefix_lens and
                                                    root updated for the next step
 
@@ -19,6 +19,11 @@ CUDA graph (``mode="graph"``: CuPy stream capture of numba's launches on
 state that changes from step to step (``root_token_ids``, ``prefix_lens``, the cache, the
 emitted tokens) lives in those same buffers and is updated in place by the last launch, so the
 graph's arguments never change.
+
+``accept_commit`` is one launch when the target keeps its layers' caches in one
+``[layers, num_pages, page_size, D]`` array (``target.kv_cache``, whose layers are exactly what
+``kv_caches()`` returns, as in the toy and DeepSeek-V3 targets); for any other target the step
+runs its two halves, ``kernels.tree_accept`` then ``kernels.commit_kv`` once per layer cache.
 
 The drafter and the target are any objects with the :class:`~ddtree_numba.interfaces.Drafter`
 and :class:`~ddtree_numba.interfaces.Target` interfaces, the same that
@@ -121,6 +126,8 @@ class GreedyStep:
         target.allocate(bs=self.bs, N=N, num_pages=num_pages, page_size=page_size,
                         max_pages=table.shape[1])
 
+        self.stacked_kv_cache = stacked_kv_cache(target)
+
         def zeros(*shape, dtype=np.int32):
             return cuda.to_device(np.zeros(shape, dtype))
 
@@ -144,10 +151,13 @@ class GreedyStep:
     def stages(self) -> list:
         """``(name, launch)`` for each stage of a step, in order (benchmarks time them one by
         one); each launch goes to the current stream and does not synchronise."""
+        if self.stacked_kv_cache is not None:      # the target's layers in one array
+            accept = [("accept_commit", self._accept_commit)]
+        else:
+            accept = [("tree_accept", self._tree_accept), ("commit_kv", self._commit_kv)]
         return [("drafter", self._draft), ("draft_topk", self._top_k),
                 ("build_tree", self._build_tree), ("target_forward", self._target_forward),
-                ("argmax", self._argmax), ("tree_accept", self._tree_accept),
-                ("commit_kv", self._commit_kv), ("advance", self._advance)]
+                ("argmax", self._argmax), *accept, ("advance", self._advance)]
 
     def _launch(self) -> None:
         """Every launch of one step, in order, on the current stream; no synchronisation."""
@@ -181,6 +191,12 @@ class GreedyStep:
             kernels.commit_kv(cache, self.block_table, self.prefix_lens,
                               self.accept.accept_nodes, self.accept.accept_len,
                               out=self.new_prefix_lens)
+
+    def _accept_commit(self):
+        kernels.accept_commit(self.tree.token_ids, self.tree.next_token, self.tree.next_sibling,
+                              self.target_predict, self.stacked_kv_cache, self.block_table,
+                              self.prefix_lens, check=False,
+                              out=(self.accept, self.new_prefix_lens))
 
     def _advance(self):
         self.ops.advance(self.accept, self.new_prefix_lens, self.prefix_lens,
@@ -260,3 +276,31 @@ class GreedyStep:
                 "accept": self.accept.to_host(), "draft_logits": self.draft_logits.copy_to_host(),
                 "prefix_lens": self.prefix_lens.copy_to_host()}
 
+
+def _data_address(array) -> int:
+    """The address of ``array``'s first element (a device array, or the numpy array behind
+    one on the simulator)."""
+    interface = getattr(array, "__cuda_array_interface__", None)
+    if interface is None:
+        interface = array.__array_interface__
+    return interface["data"][0]
+
+
+def stacked_kv_cache(target: Target):
+    """``target.kv_cache`` when it is one ``[layers, num_pages, page_size, D]`` array whose
+    layers are exactly the caches that ``target.kv_caches()`` returns (same order, shapes,
+    strides and memory), else ``None``; a single cache is its own stack. With a stack the step
+    commits every layer in one ``accept_commit`` launch."""
+    layers = list(target.kv_caches())
+    if len(layers) == 1 and getattr(layers[0], "ndim", 0) == 3:
+        return layers[0]
+    stack = getattr(target, "kv_cache", None)
+    if stack is None or getattr(stack, "ndim", 0) != 4 or stack.shape[0] != len(layers):
+        return None
+    base = _data_address(stack)
+    for i, layer in enumerate(layers):
+        if (layer.shape != stack.shape[1:] or layer.dtype != stack.dtype
+                or layer.strides != stack.strides[1:]
+                or _data_address(layer) != base + i * stack.strides[0]):
+            return None
+    return stack

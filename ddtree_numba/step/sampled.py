@@ -101,9 +101,12 @@ class SampledStep(GreedyStep):
 
     def stages(self) -> list:
         """The greedy step's stages, with ``argmax`` and ``tree_accept`` replaced by
-        ``sample_uniforms`` and ``tree_sample_logits``."""
+        ``sample_uniforms`` and ``tree_sample_logits`` (a fused ``accept_commit`` becomes
+        ``tree_sample_logits`` then ``commit_kv``)."""
+        sample = ("tree_sample_logits", self._tree_sample_logits)
         replaced = {"argmax": [("sample_uniforms", self._sample_uniforms)],
-                    "tree_accept": [("tree_sample_logits", self._tree_sample_logits)]}
+                    "tree_accept": [sample],
+                    "accept_commit": [sample, ("commit_kv", self._commit_kv)]}
         stages = []
         for name, launch in super().stages():
             stages += replaced.get(name, [(name, launch)])
