@@ -7,9 +7,10 @@ against the device-to-device copy bandwidth measured in the same run. Baselines:
 (log-softmax, then a full ``argsort``).
 
 tree_accept / commit_kv: bs in {1, 64}, N in {64, 1025}, on trees from the reference builder
-and accepted paths of depth up to L = 15 (FlashMLA-style cache: 576-wide rows, 64-row pages):
-each alone, the two launches together, and ``accept_commit`` (both in one launch; its result
-checked against the two), with the floor of a graph replay (one empty kernel) in the same run.
+and accepted paths of depth up to L = 15 (FlashMLA-style cache: 576-wide rows, 64-row pages),
+one float32 layer, and DeepSeek-V3's 61 bfloat16 layers at N = 1025: each alone (commit_kv
+once per layer), the launches together, and ``accept_commit`` (all in one launch; its result
+checked against theirs), with the floor of a graph replay (one empty kernel) in the same run.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from numba import cuda
 
 from ddtree_numba import kernels as K
 from ddtree_numba import reference as ref
+from ddtree_numba.arrays import BFLOAT16
 from ddtree_numba.kernels._device import launch, launch_stream
 
 
@@ -112,66 +114,75 @@ def bench_accept_commit(quick: bool):
     floor = bench.time_device(lambda: launch(_empty_kernel, 1, 32, launch_stream())(flag))
     floor_us = floor["ms"] * 1e3
     L, page_size, D = 15, 64, 576
-    for N in (64, 1025):
-        for bs in (1, 64):
-            Kk = min(N - 1, 64)
-            x = (rng.standard_normal((bs, L, Kk + 8)) * 3).astype(np.float32)
-            lp, ids = ref.draft_topk(x, Kk)
-            tree = ref.build_tree(lp, ids, np.zeros(bs, np.int32), N - 1)
-            predict = accepted_paths(tree, L, rng)
-            args = [K.as_device(a) for a in (tree.token_ids, tree.next_token, tree.next_sibling,
-                                             predict)]
-            res = K.allocate_accept(bs, N)
+    # (bs, N, layers, cache dtype, longest prefix): one float32 layer, then DeepSeek-V3's 61
+    # bf16 layers (prefixes kept short enough for the 61-layer cache to fit)
+    configs = [(bs, N, 1, "float32", 8192) for N in (64, 1025) for bs in (1, 64)]
+    configs += [(bs, 1025, 61, "bfloat16", 1024) for bs in (1, 64)]
+    for bs, N, layers, dtype, max_prefix in configs[:3] if quick else configs:
+        Kk = min(N - 1, 64)
+        x = (rng.standard_normal((bs, L, Kk + 8)) * 3).astype(np.float32)
+        lp, ids = ref.draft_topk(x, Kk)
+        tree = ref.build_tree(lp, ids, np.zeros(bs, np.int32), N - 1)
+        predict = accepted_paths(tree, L, rng)
+        args = [K.as_device(a) for a in (tree.token_ids, tree.next_token, tree.next_sibling,
+                                         predict)]
+        res = K.allocate_accept(bs, N)
 
-            def accept():
-                K.tree_accept(*args, out=res)
+        def accept():
+            K.tree_accept(*args, out=res)
 
-            t_acc = bench.time_device(accept, reps=50)
-            want = ref.tree_accept(tree.token_ids, tree.next_token, tree.next_sibling, predict)
-            exact = bool((res.accept_nodes.copy_to_host() == want.accept_nodes).all())
-            prefix = rng.integers(0, 8192, bs).astype(np.int32)
-            pages_per = (int(prefix.max()) + N + page_size - 1) // page_size
-            table = rng.permutation(bs * pages_per).astype(np.int32).reshape(bs, pages_per)
-            cache_cp = cp.asarray(rng.standard_normal(
-                (bs * pages_per, page_size, D)).astype(np.float32))
-            cache = K.as_device(cache_cp)                   # a view: both name one buffer
-            c_args = [K.as_device(a) for a in (table, prefix, want.accept_nodes,
-                                               want.accept_len)]
-            new_prefix = K.as_device(cp.empty(bs, cp.int32))
+        t_acc = bench.time_device(accept, reps=50)
+        want = ref.tree_accept(tree.token_ids, tree.next_token, tree.next_sibling, predict)
+        exact = bool((res.accept_nodes.copy_to_host() == want.accept_nodes).all())
+        prefix = rng.integers(0, max_prefix, bs).astype(np.int32)
+        pages_per = (int(prefix.max()) + N + page_size - 1) // page_size
+        table = rng.permutation(bs * pages_per).astype(np.int32).reshape(bs, pages_per)
+        cache_cp = cp.random.standard_normal((layers, bs * pages_per, page_size, D),
+                                             dtype=cp.float32)
+        if dtype == "bfloat16":                         # the bits of bf16 values
+            cache_cp = (cache_cp.view(cp.uint32) >> 16).astype(cp.uint16)
+        cache = K.as_device(cache_cp)                   # a view: both name one buffer
+        if dtype == "bfloat16":
+            cache = cache.view(BFLOAT16)
+        c_args = [K.as_device(a) for a in (table, prefix, want.accept_nodes, want.accept_len)]
+        new_prefix = K.as_device(cp.empty(bs, cp.int32))
 
-            def commit():
-                K.commit_kv(cache, *c_args, out=new_prefix)
+        def commit():
+            for layer in range(layers):
+                K.commit_kv(cache[layer], *c_args, out=new_prefix)
 
-            t_com = bench.time_device(commit, reps=50)
-            t_both = bench.time_device(lambda: (accept(), commit()), reps=50)
-            # the fused launch: the same result, from fresh copies of the cache
-            before = cache_cp.copy()
-            fused_out = (K.allocate_accept(bs, N), K.as_device(cp.empty(bs, cp.int32)))
-            fused_args = [K.as_device(a) for a in (tree.token_ids, tree.next_token,
-                                                   tree.next_sibling, predict, table, prefix)]
+        t_com = bench.time_device(commit, reps=50)
+        t_both = bench.time_device(lambda: (accept(), commit()), reps=50)
+        # the fused launch: the same result, from fresh copies of the cache
+        before = cache_cp.copy()
+        fused_out = (K.allocate_accept(bs, N), K.as_device(cp.empty(bs, cp.int32)))
+        fused_args = [K.as_device(a) for a in (tree.token_ids, tree.next_token,
+                                               tree.next_sibling, predict, table, prefix)]
 
-            def fused():
-                K.accept_commit(*fused_args[:4], cache, *fused_args[4:], out=fused_out)
+        def fused():
+            K.accept_commit(*fused_args[:4], cache, *fused_args[4:], out=fused_out)
 
-            fused()
-            fused_cache = cache_cp.copy()
-            cache_cp[...] = before
-            accept()
-            commit()
-            fused_exact = bool((fused_cache == cache_cp).all()
-                               and (fused_out[0].accept_nodes.copy_to_host()
-                                    == want.accept_nodes).all())
-            t_fused = bench.time_device(fused, reps=50)
-            bench.add(bs=bs, N=N, mean_accept_len=float(want.accept_len.mean()),
-                      tree_accept_us=t_acc["ms"] * 1e3, commit_kv_us=t_com["ms"] * 1e3,
-                      both_us=t_both["ms"] * 1e3, accept_commit_us=t_fused["ms"] * 1e3,
-                      graph_floor_us=floor_us, accept_exact=exact, fused_exact=fused_exact)
+        fused()
+        fused_cache = cache_cp.copy()
+        cache_cp[...] = before
+        accept()
+        commit()
+        fused_exact = bool((fused_cache == cache_cp).all()
+                           and (fused_out[0].accept_nodes.copy_to_host()
+                                == want.accept_nodes).all())
+        del before, fused_cache
+        t_fused = bench.time_device(fused, reps=50)
+        bench.add(bs=bs, N=N, layers=layers, cache=dtype,
+                  mean_accept_len=float(want.accept_len.mean()),
+                  tree_accept_us=t_acc["ms"] * 1e3, commit_kv_us=t_com["ms"] * 1e3,
+                  both_us=t_both["ms"] * 1e3, accept_commit_us=t_fused["ms"] * 1e3,
+                  graph_floor_us=floor_us, accept_exact=exact, fused_exact=fused_exact)
     bench.write_csv()
-    print_table(bench.rows, ["bs", "N", "mean_accept_len", "tree_accept_us", "commit_kv_us",
-                             "both_us", "accept_commit_us", "graph_floor_us", "accept_exact",
-                             "fused_exact"],
-                f"tree_accept / commit_kv / accept_commit on {bench.gpu}; graph_floor_us: a "
-                f"graph of one empty kernel")
+    print_table(bench.rows, ["bs", "N", "layers", "cache", "mean_accept_len", "tree_accept_us",
+                             "commit_kv_us", "both_us", "accept_commit_us", "graph_floor_us",
+                             "accept_exact", "fused_exact"],
+                f"tree_accept / commit_kv (once per layer) / accept_commit on {bench.gpu}; "
+                f"graph_floor_us: a graph of one empty kernel")
 
 
 if __name__ == "__main__":

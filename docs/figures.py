@@ -191,8 +191,11 @@ def performance_figures(out: str) -> None:
                 "speed-up"], os.path.join(out, "perf_draft_topk.md"))
     rows = _rows("accept_commit")
     if rows:
-        _table(rows, ["bs", "N", "mean_accept_len", "tree_accept_us", "commit_kv_us"],
-               ["bs", "N", "accepted", "tree_accept us", "commit_kv us"],
+        _table(rows, ["bs", "N", "layers", "cache", "mean_accept_len", "tree_accept_us",
+                      "commit_kv_us", "both_us", "accept_commit_us", "graph_floor_us"],
+               ["bs", "N", "layers", "cache", "accepted", "tree_accept us",
+                "commit_kv us (all layers)", "both us", "accept_commit us",
+                "empty graph us"],
                os.path.join(out, "perf_accept_commit.md"))
 
 

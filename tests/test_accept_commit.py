@@ -41,11 +41,19 @@ def expected(tree, predict, cache, table, prefix):
     return want_accept, want, new_prefix
 
 
-@pytest.mark.parametrize("seed, bs, N, layers, dtype", [
-    (0, 3, 20, None, np.float32), (1, 4, 33, 3, np.float32), (2, 2, 12, 2, bfloat16),
-    (3, 1, 1, 2, np.float16), (4, 5, 60, 1, np.float32)])
-def test_equals_tree_accept_then_commit_kv(seed, bs, N, layers, dtype):
-    tree, predict, cache, table, prefix = problem(seed, bs, N, layers, dtype)
+@pytest.mark.parametrize("seed, bs, N, layers, dtype, D, page_size", [
+    (0, 3, 20, None, np.float32, 12, 4),
+    (1, 4, 33, 3, np.float32, 12, 1),           # one slot a page: the window is N pages
+    (2, 2, 12, 2, bfloat16, 12, 4),             # 24-byte rows: three uint64 words
+    (3, 1, 1, 2, np.float16, 12, 4),
+    (4, 5, 60, 1, np.float32, 12, 16),
+    (5, 3, 40, 4, np.float32, 40, 8),           # 80 (layer, word) items: several blocks
+    (6, 2, 30, 3, bfloat16, 13, 4),             # 26-byte rows: moved as uint16
+    (7, 2, 25, 2, np.float32, 5, 4),            # 20-byte rows: moved as uint32
+])
+def test_equals_tree_accept_then_commit_kv(seed, bs, N, layers, dtype, D, page_size):
+    tree, predict, cache, table, prefix = problem(seed, bs, N, layers, dtype,
+                                                  page_size=page_size, D=D)
     want_accept, want_cache, want_prefix = expected(tree, predict, cache, table, prefix)
     got_cache = cache.copy()
     res, new_prefix = K.accept_commit(tree.token_ids, tree.next_token, tree.next_sibling,
@@ -116,3 +124,22 @@ def test_bad_input_is_refused_by_name_and_nothing_changes(change, message):
                         prefix)
     for a, b in zip((cache, table, prefix, next_token), before, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_moves_use_the_widest_word_a_row_allows():
+    """uint64 when a row is whole 8-byte words of a contiguous, aligned cache; else the
+    element's own bits."""
+    import importlib
+
+    words = importlib.import_module("ddtree_numba.kernels.accept_commit").as_words
+    for shape, dtype, want in (((2, 3, 4, 576), np.float32, np.uint64),
+                               ((2, 3, 4, 12), np.float16, np.uint64),
+                               ((2, 3, 4, 13), np.float16, np.uint16),
+                               ((2, 3, 4, 5), np.float32, np.uint32)):
+        cache = K.as_device(np.zeros(shape, dtype))
+        got = words(cache)
+        assert got.dtype == want, (shape, dtype)
+        assert got.shape[:3] == shape[:3]
+        assert got.shape[3] * got.dtype.itemsize == shape[3] * np.dtype(dtype).itemsize
+    strided = K.as_device(np.zeros((2, 3, 4, 16), np.float32))[:, :, :, :8]
+    assert words(strided).dtype == np.uint32            # not contiguous: element by element

@@ -3,25 +3,36 @@
 
 Separately, the two are two launches and a round trip of ``accept_nodes`` through memory;
 the commit cannot start before the accept has finished anyway, and the accept kernel already
-holds the path in shared memory. So one block per request (grid ``(bs,)``,
-``ACCEPT_COMMIT_THREADS`` threads):
+holds the path in shared memory. The moves, not the walk, are most of the work: ``k`` rows of
+every layer, each row ``D`` elements. So the grid is ``(bs, parts)``, ``ACCEPT_COMMIT_THREADS``
+threads a block, and every block of request ``b``:
 
-1. stage the request's four rows and walk them in thread 0 (``tree_accept.greedy_walk``);
-2. write the ``AcceptResult`` rows (``tree_accept.write_accept_rows``);
-3. move the accepted rows into place in every layer: thread ``tid`` takes the columns ``tid,
-   tid + T, ...`` of each layer's rows and moves them as ``commit_kv`` does
-   (``commit_kv.commit_column``: the reads of up to eight moves, then their writes, in
-   ascending order), reading the path from shared memory; ``new_prefix_lens[b] = P + k + 1``.
+0. stages the window of ``b``'s block-table row that slots ``P .. P + N - 1`` fall on
+   (``first_page = P // page_size`` on), so that no move waits for a block-table load;
+1. stages the request's four rows and walks them in thread 0 (``tree_accept.greedy_walk``:
+   the same walk in every block of the request, from the same rows);
+2. block ``part = 0`` only: writes the ``AcceptResult`` rows (``tree_accept.write_accept_rows``)
+   and ``new_prefix_lens[b] = P + k + 1``;
+3. makes its share of the moves. The cache is read as words (``uint64`` where a row's bytes
+   allow, else the element's bits: a move is a copy, not arithmetic), and the moves of one
+   (layer, word) column are one *item*: item ``it = layer * W + w``. Thread ``tid`` of block
+   ``part`` takes items ``part * T + tid``, then every ``parts * T`` further, and moves each
+   column as ``commit_kv`` does (``commit_kv.commit_column``: the reads of up to eight moves,
+   then their writes, in ascending order). The launcher picks ``parts = ceil(items / T)``:
+   one item per thread.
 
-No barrier is needed in phase 3: no two threads touch the same element, and the path was
-complete before phase 2. ``kv_cache`` is one layer ``[num_pages, page_size, D]`` or all of
-them, ``[layers, num_pages, page_size, D]`` (the toy and DeepSeek-V3 targets keep theirs so);
-16-bit caches move as ``uint16`` bits. Unchecked inputs stay in bounds as in the two kernels
-it joins (links outside ``[1, N)`` end a list, every cache address is checked, a prefix that
-is no valid start commits nothing and keeps its length).
+No barrier is needed in phase 3: no two threads (of any block) touch the same word, and the
+path and the window were complete at the walk's last barrier. ``kv_cache`` is one layer
+``[num_pages, page_size, D]`` or all of them, ``[layers, num_pages, page_size, D]`` (the toy
+and DeepSeek-V3 targets keep theirs so). Unchecked inputs stay in bounds as in the two
+kernels it joins (links outside ``[1, N)`` end a list, every cache address is checked, window
+entries past the block-table row are ``-1``, a prefix that is no valid start commits nothing
+and keeps its length).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from numba import cuda, int32, int64
@@ -33,38 +44,71 @@ from ._device import SIMULATOR, as_device, device_empty, kernel_for_block, launc
 from .commit_kv import commit_column, valid_prefix
 from .tree_accept import checked_out, greedy_walk, write_accept_rows
 
-# tree_accept's 1024 threads would cap a thread at 64 registers, and the moves then spill: 512
-# stage N <= 1056 entries in three rounds of loads instead of two.
-ACCEPT_COMMIT_THREADS = 32 if SIMULATOR else 512
+# 256 threads: four blocks of a request's staging and walk fit on an SM beside each other
+# (registers capped at 64 a thread by launch_bounds); N <= 1056 is staged in five rounds
+ACCEPT_COMMIT_THREADS = 32 if SIMULATOR else 256
+MAX_PARTS = 65535                                   # the grid's y limit
 
 
 @kernel_for_block(ACCEPT_COMMIT_THREADS)           # registers capped so the block fits
-def _accept_commit_kernel(token_ids, next_token, next_sibling, target_predict, kv_cache,
+def _accept_commit_kernel(token_ids, next_token, next_sibling, target_predict, kv_words,
                           block_table, prefix_lens, accept_nodes, accept_len, accept_tokens,
                           bonus_token, new_prefix_lens):
-    """``kv_cache`` is ``[layers, num_pages, page_size, D]``."""
+    """``kv_words`` is ``[layers, num_pages, page_size, W]``: each cache row as ``W`` words."""
     b = cuda.blockIdx.x
+    part = cuda.blockIdx.y                          # this block's share of the moves
     tid = cuda.threadIdx.x
     threads = cuda.blockDim.x
     N = token_ids.shape[1]
+    page_size = kv_words.shape[2]
     tok = cuda.shared.array(MAX_NODES, int32)
     path = cuda.shared.array(MAX_NODES, int32)
     result = cuda.shared.array(2, int32)            # [k, bonus]
-    greedy_walk(token_ids, next_token, next_sibling, target_predict, b, tid, threads, N, tok,
-                path, result)                       # 1. (ends with a barrier: path complete)
-    k = result[0]
-    write_accept_rows(b, path, k, result[1], tok, tid, threads, N,   # 2.
-                      accept_nodes, accept_len, accept_tokens, bonus_token)
+    pages = cuda.shared.array(MAX_NODES, int32)     # pages[w] = block_table[b, first_page + w]
+
     P = int64(prefix_lens[b])                       # int64: P + a never wraps around
-    if not valid_prefix(P, N):                      # not a valid prefix: commit nothing
+    valid = valid_prefix(P, N)                      # else: commit nothing, keep P
+    first_page = P // page_size
+    if valid:                                       # 0. the window: <= N entries (P + N - 1
+        count = (P + N - 1) // page_size - first_page + 1      # spans at most N slots)
+        for w in range(tid, count, threads):
+            t = first_page + w
+            pages[w] = block_table[b, t] if t < block_table.shape[1] else -1
+    greedy_walk(token_ids, next_token, next_sibling, target_predict, b, tid, threads, N, tok,
+                path, result)                       # 1. (its barriers: window and path done)
+    k = result[0]
+    if part == 0:                                   # 2.
+        write_accept_rows(b, path, k, result[1], tok, tid, threads, N, accept_nodes,
+                          accept_len, accept_tokens, bonus_token)
         if tid == 0:
-            new_prefix_lens[b] = P
+            new_prefix_lens[b] = P + k + 1 if valid else P
+    if not valid:
         return
-    if tid == 0:
-        new_prefix_lens[b] = P + k + 1
-    for layer in range(kv_cache.shape[0]):          # 3. the moves, every layer
-        for col in range(tid, kv_cache.shape[3], threads):
-            commit_column(kv_cache[layer], block_table, path, N, b, P, k, col)
+    words = kv_words.shape[3]
+    paging = (pages, first_page, int64(block_table.shape[1]) * page_size)
+    for item in range(part * threads + tid, kv_words.shape[0] * words,   # 3. the moves
+                      cuda.gridDim.y * threads):
+        layer = item // words
+        commit_column(kv_words[layer], paging, path, N, P, k, item - layer * words)
+
+
+def _data_address(array) -> int:
+    interface = getattr(array, "__cuda_array_interface__", None)
+    if interface is None:                           # the simulator: a numpy array inside
+        interface = array.__array_interface__
+    return interface["data"][0]
+
+
+def as_words(cache):
+    """``cache`` (``[layers, num_pages, page_size, D]``) viewed as ``uint64`` words when it is
+    C-contiguous, 8-byte aligned and a row is a whole number of them; else as the unsigned
+    integers of its own element size (16-bit caches are ``uint16`` bits, float32 ``uint32``)."""
+    own = np.dtype(f"uint{8 * cache.dtype.itemsize}")
+    row_bytes = cache.shape[cache.ndim - 1] * cache.dtype.itemsize   # no [-1]: the simulator
+    if (cache.is_c_contiguous() and row_bytes % 8 == 0 and cache.size
+            and _data_address(cache) % 8 == 0):
+        return cache.view(np.uint64)
+    return cache.view(own)
 
 
 def accept_commit(token_ids, next_token, next_sibling, target_predict, kv_cache, block_table,
@@ -106,19 +150,20 @@ def accept_commit(token_ids, next_token, next_sibling, target_predict, kv_cache,
     require_array("out[1]", new_prefix, (np.int32,), ("bs",), {"bs": sz.bs})
     host_cache = kv_cache if isinstance(kv_cache, np.ndarray) else None
     cache = as_device(kv_cache)
-    if cache.dtype.itemsize == 2:
-        cache = cache.view(np.uint16)               # bf16 / f16: move the bits
     if cache.ndim == 3:
         cache = cache.reshape(1, *cache.shape)      # one layer
+    words = as_words(cache)
+    items = words.shape[0] * words.shape[3]         # (layer, word) columns, one per thread
+    parts = min(max(math.ceil(items / ACCEPT_COMMIT_THREADS), 1), MAX_PARTS)
     args = [as_device(a) for a in (token_ids, next_token, next_sibling, target_predict)]
     stream = launch_stream()
     if sz.bs:
-        launch(_accept_commit_kernel, sz.bs, ACCEPT_COMMIT_THREADS, stream)(
-            *args, cache, as_device(block_table), as_device(prefix_lens), res.accept_nodes,
+        launch(_accept_commit_kernel, (sz.bs, parts), ACCEPT_COMMIT_THREADS, stream)(
+            *args, words, as_device(block_table), as_device(prefix_lens), res.accept_nodes,
             res.accept_len, res.accept_tokens, res.bonus_token, new_prefix)
     if host_cache is not None:                      # numpy in: write the result back
-        host_cache.view(np.uint16 if host_cache.dtype.itemsize == 2 else host_cache.dtype)[
-            ...] = cache.reshape(host_cache.shape).copy_to_host(stream=stream)
+        host_cache.view(cache.dtype)[...] = cache.reshape(host_cache.shape).copy_to_host(
+            stream=stream)
     return res, new_prefix
 
 
@@ -133,5 +178,5 @@ def build_specs():
         KernelSpec("accept_commit", f"{name} cache", _accept_commit_kernel,
                    (i2, i2, i2, i2, dtype[:, :, :, ::1], i2, i1, i2, i1, i2, i1, i1),
                    ACCEPT_COMMIT_THREADS, True)
-        for name, dtype in (("float32", types.float32), ("16-bit", types.uint16))
+        for name, dtype in (("uint64 words", types.uint64), ("16-bit", types.uint16))
     ]

@@ -37,22 +37,23 @@ CHUNK = 8       # moves in flight per thread: k <= L <= 15 in DDTree, so one or 
 
 
 @cuda.jit(device=True, inline=True)
-def _read(kv_cache, block_table, nodes, N, b, P, k, col, vals, dst_page, i, j):
+def _read(kv_cache, paging, nodes, N, P, k, col, vals, dst_page, i, j):
     """Move ``i`` (slot ``P + a_i`` to slot ``P + i``, ``a_i = nodes[i]``): its value into
-    ``vals[j]`` and its destination page into ``dst_page[j]`` (``-1``: no move). Every address
-    is checked."""
+    ``vals[j]`` and its destination page into ``dst_page[j]`` (``-1``: no move). ``paging =
+    (pages, first_page, capacity)``: slot ``s`` (``0 <= s < capacity``) is on page
+    ``pages[s // page_size - first_page]``. Every address is checked."""
+    pages, first_page, capacity = paging
     num_pages, page_size = kv_cache.shape[0], kv_cache.shape[1]
-    capacity = block_table.shape[1] * page_size
     dst_page[j] = -1
     if i <= k:
         a = nodes[i]
         src = P + a
         dst = P + i
         if 0 <= a < N and 0 <= src < capacity and 0 <= dst < capacity:
-            page = block_table[b, src // page_size]
+            page = pages[src // page_size - first_page]
             if 0 <= page < num_pages:
                 vals[j] = kv_cache[page, src % page_size, col]
-                dst_page[j] = block_table[b, dst // page_size]
+                dst_page[j] = pages[dst // page_size - first_page]
 
 
 @cuda.jit(device=True, inline=True)
@@ -64,10 +65,13 @@ def _write(kv_cache, P, col, vals, dst_page, i, j):
 
 
 @cuda.jit(device=True, inline=True)
-def commit_column(kv_cache, block_table, nodes, N, b, P, k, col):
-    """Moves ``1..k`` of request ``b`` for column ``col`` of a ``[num_pages, page_size, D]``
-    cache; ``nodes[i]`` is the path's node ``a_i`` (a row of ``accept_nodes``, or the accept
-    kernel's path in shared memory). No other thread touches this column of these rows."""
+def commit_column(kv_cache, paging, nodes, N, P, k, col):
+    """Moves ``1..k`` of one request for column ``col`` of a ``[num_pages, page_size, D]``
+    cache. ``nodes[i]`` is the path's node ``a_i`` (a row of ``accept_nodes``, or the accept
+    kernel's path in shared memory). ``paging = (pages, first_page, capacity)``: slot ``s``
+    (``0 <= s < capacity``) is on page ``pages[s // page_size - first_page]``, from the
+    request's block-table row (``first_page = 0``) or from a window of it staged in shared
+    memory. No other thread touches this column of these rows."""
     # Registers, not local memory: vals and dst_page are only ever indexed by the literal j
     # of the calls below (spelled out rather than a loop, so that this holds whatever a
     # compiler's unrolling heuristics decide; CUDA 13.0's NVVM left a loop here rolled for
@@ -76,14 +80,14 @@ def commit_column(kv_cache, block_table, nodes, N, b, P, k, col):
     dst_page = cuda.local.array(CHUNK, int32)
     for i0 in range(1, k + 1, CHUNK):
         # 1. read up to CHUNK sources (all loads in flight at once) ...
-        _read(kv_cache, block_table, nodes, N, b, P, k, col, vals, dst_page, i0, 0)
-        _read(kv_cache, block_table, nodes, N, b, P, k, col, vals, dst_page, i0 + 1, 1)
-        _read(kv_cache, block_table, nodes, N, b, P, k, col, vals, dst_page, i0 + 2, 2)
-        _read(kv_cache, block_table, nodes, N, b, P, k, col, vals, dst_page, i0 + 3, 3)
-        _read(kv_cache, block_table, nodes, N, b, P, k, col, vals, dst_page, i0 + 4, 4)
-        _read(kv_cache, block_table, nodes, N, b, P, k, col, vals, dst_page, i0 + 5, 5)
-        _read(kv_cache, block_table, nodes, N, b, P, k, col, vals, dst_page, i0 + 6, 6)
-        _read(kv_cache, block_table, nodes, N, b, P, k, col, vals, dst_page, i0 + 7, 7)
+        _read(kv_cache, paging, nodes, N, P, k, col, vals, dst_page, i0, 0)
+        _read(kv_cache, paging, nodes, N, P, k, col, vals, dst_page, i0 + 1, 1)
+        _read(kv_cache, paging, nodes, N, P, k, col, vals, dst_page, i0 + 2, 2)
+        _read(kv_cache, paging, nodes, N, P, k, col, vals, dst_page, i0 + 3, 3)
+        _read(kv_cache, paging, nodes, N, P, k, col, vals, dst_page, i0 + 4, 4)
+        _read(kv_cache, paging, nodes, N, P, k, col, vals, dst_page, i0 + 5, 5)
+        _read(kv_cache, paging, nodes, N, P, k, col, vals, dst_page, i0 + 6, 6)
+        _read(kv_cache, paging, nodes, N, P, k, col, vals, dst_page, i0 + 7, 7)
         # 2. ... then write them in ascending i (a_i >= i: no read above saw a write)
         _write(kv_cache, P, col, vals, dst_page, i0, 0)
         _write(kv_cache, P, col, vals, dst_page, i0 + 1, 1)
@@ -117,7 +121,8 @@ def _commit_kv_kernel(kv_cache, block_table, prefix_lens, accept_nodes, accept_l
     if col == 0:
         new_prefix_lens[b] = P + k + 1              # <= P + N <= MAX_POSITION
     if col < kv_cache.shape[2]:
-        commit_column(kv_cache, block_table, accept_nodes[b], N, b, P, k, col)
+        paging = (block_table[b], int64(0), int64(block_table.shape[1]) * kv_cache.shape[1])
+        commit_column(kv_cache, paging, accept_nodes[b], N, P, k, col)
 
 
 def commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len, *, check=None,
