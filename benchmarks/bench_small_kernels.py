@@ -1,8 +1,10 @@
 """Benchmark: draft_topk against torch and CuPy; tree_accept and commit_kv device time.
 
 draft_topk: bs in {1, 8, 64}, L = 15, V in {32000, 163840}, K in {16, 256, 1024}, float32
-logits (and bfloat16 at the largest size). GB/s counts one read of the logits (the floor),
-against the device-to-device copy bandwidth measured in the same run. Baselines:
+logits (and bfloat16 at the largest size); ``parts`` blocks per row as the launcher picks them,
+and ``whole_rows_us`` the same call with one block per row (``parts=1``). GB/s counts one
+read of the logits (the floor), against the device-to-device copy bandwidth measured in the
+same run. Baselines:
 ``torch.topk`` + ``torch.logsumexp`` (eager, events) and CuPy written the obvious way
 (log-softmax, then a full ``argsort``).
 
@@ -27,6 +29,7 @@ from ddtree_numba import kernels as K
 from ddtree_numba import reference as ref
 from ddtree_numba.arrays import BFLOAT16
 from ddtree_numba.kernels._device import launch, launch_stream
+from ddtree_numba.kernels.draft_topk import parts_per_row
 
 
 def bench_draft_topk(quick: bool):
@@ -45,10 +48,16 @@ def bench_draft_topk(quick: bool):
         out = (K.as_device(cp.empty((bs, L, k), cp.float32)),
                K.as_device(cp.empty((bs, L, k), cp.int32)))
 
+        parts = parts_per_row(bs * L, V, k)
+        scratch = K.allocate_topk_scratch(bs, L, V, k)   # allocated outside the graph
+
         def launch():
-            K.draft_topk(x_t if dtype == "bfloat16" else x, k, out=out)
+            K.draft_topk(x_t if dtype == "bfloat16" else x, k, out=out, scratch=scratch)
 
         gpu = bench.time_device(launch, reps=20)
+        whole_rows = gpu if parts == 1 else bench.time_device(
+            lambda: K.draft_topk(x_t if dtype == "bfloat16" else x, k, out=out, parts=1),
+            reps=20)
 
         def torch_way():
             lse = torch.logsumexp(x_t.float(), dim=-1, keepdim=True)
@@ -72,14 +81,16 @@ def bench_draft_topk(quick: bool):
         exact = bool((out[1].copy_to_host()[: min(bs, 2)] == want_ids).all())
         nbytes = bs * L * V * x_t.element_size()
         gbs = nbytes / (gpu["ms"] * 1e-3) / 1e9
-        bench.add(bs=bs, L=L, V=V, k=k, dtype=dtype, gpu_us=gpu["ms"] * 1e3,
+        bench.add(bs=bs, L=L, V=V, k=k, dtype=dtype, parts=parts, gpu_us=gpu["ms"] * 1e3,
+                  whole_rows_us=whole_rows["ms"] * 1e3,
                   read_gbs=gbs, pct_of_copy_bw=100 * gbs / copy_gbs, copy_gbs=copy_gbs,
                   torch_us=torch_t["ms"] * 1e3, speedup_vs_torch=torch_t["ms"] / gpu["ms"],
                   cupy_us=None if cupy_t is None else cupy_t["ms"] * 1e3, ids_exact=exact)
         torch.cuda.empty_cache()
     bench.write_csv()
-    print_table(bench.rows, ["bs", "V", "k", "dtype", "gpu_us", "read_gbs", "pct_of_copy_bw",
-                             "torch_us", "speedup_vs_torch", "cupy_us", "ids_exact"],
+    print_table(bench.rows, ["bs", "V", "k", "dtype", "parts", "gpu_us", "whole_rows_us",
+                             "read_gbs", "pct_of_copy_bw", "torch_us", "speedup_vs_torch",
+                             "cupy_us", "ids_exact"],
                 f"draft_topk on {bench.gpu}, {bench.date}; copy bandwidth "
                 f"{bench.rows[0]['copy_gbs']:.0f} GB/s (read + write)")
 
@@ -187,6 +198,7 @@ def bench_accept_commit(quick: bool):
 
 if __name__ == "__main__":
     quick = "--quick" in sys.argv
-    bench_accept_commit(quick)
+    if "--draft-topk-only" not in sys.argv:
+        bench_accept_commit(quick)
     if "--accept-commit-only" not in sys.argv:
         bench_draft_topk(quick)

@@ -7,8 +7,8 @@ H200, as measured (benchmarks/NOTES.md):
 * ``issue``: instruction issue over the whole GPU (draft_topk, verify_attn, its tensor-core
   variant at 17-26 % of the mma.sync ceiling: one block of 8 warps an SM on both chips)
   -> (SMs x clock);
-* ``launch``: a few microseconds of graph launch and DRAM latency (tree_accept, commit_kv)
-  -> unchanged.
+* ``launch``: a few microseconds of graph launch and DRAM latency (tree_accept, commit_kv,
+  accept_commit) -> unchanged.
 
 Chip figures (datasheets; the H200 clock as read by Nsight Compute under load):
 H200 SXM 132 SMs at 1.98 GHz, 4.8 TB/s HBM3e; RTX PRO 6000 Blackwell 188 SMs, 125 TFLOP/s FP32
@@ -49,16 +49,26 @@ def projection() -> list:
             out.append((f"build_tree bs={bs} budget={r['budget']}", "latency",
                         float(r["gpu_us"]), nbytes))
     for r in rows("draft_topk"):
-        if r["bs"] == "64" and r["k"] == "256":
-            nbytes = 64 * 15 * int(r["V"]) * (4 if r["dtype"] == "float32" else 2)
-            out.append((f"draft_topk bs=64 V={r['V']} K=256 {r['dtype']}", "issue",
+        if r["bs"] in ("1", "64") and r["k"] == "256":
+            bs = int(r["bs"])
+            nbytes = bs * 15 * int(r["V"]) * (4 if r["dtype"] == "float32" else 2)
+            out.append((f"draft_topk bs={bs} V={r['V']} K=256 {r['dtype']} "
+                        f"({r.get('parts') or 1} blocks per row)", "issue",
                         float(r["gpu_us"]), nbytes))
     for r in rows("accept_commit"):
-        if r["N"] == "1025":
+        if r["N"] != "1025":
+            continue
+        layers = int(r.get("layers") or 1)
+        item = 4 if r.get("cache", "float32") == "float32" else 2
+        moved = int(r["bs"]) * float(r["mean_accept_len"]) * layers * 576 * item * 2
+        if layers == 1:
             out.append((f"tree_accept bs={r['bs']} N=1025", "launch",
                         float(r["tree_accept_us"]), 0))
-            out.append((f"commit_kv bs={r['bs']} N=1025", "launch", float(r["commit_kv_us"]),
-                        0))
+        out.append((f"commit_kv x{layers} bs={r['bs']} N=1025 {r.get('cache', 'float32')}",
+                    "launch", float(r["commit_kv_us"]), moved))
+        if r.get("accept_commit_us"):
+            out.append((f"accept_commit ({layers} layers) bs={r['bs']} N=1025", "launch",
+                        float(r["accept_commit_us"]), moved))
     for r in rows("verify_attn"):
         if r["dtype"] == "float32":
             bs, T = int(r["bs"]), int(r["prefix"]) + int(r["N"])

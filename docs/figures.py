@@ -185,10 +185,11 @@ def performance_figures(out: str) -> None:
 
     rows = _rows("draft_topk")
     if rows:
-        _table(rows, ["bs", "V", "k", "dtype", "gpu_us", "read_gbs", "pct_of_copy_bw",
-                      "torch_us", "speedup_vs_torch"],
-               ["bs", "V", "K", "logits", "kernel us", "GB/s", "% of copy BW", "torch us",
-                "speed-up"], os.path.join(out, "perf_draft_topk.md"))
+        _table(rows, ["bs", "V", "k", "dtype", "parts", "gpu_us", "whole_rows_us", "read_gbs",
+                      "pct_of_copy_bw", "torch_us", "speedup_vs_torch"],
+               ["bs", "V", "K", "logits", "blocks per row", "kernel us",
+                "one block per row us", "GB/s", "% of copy BW", "torch us", "speed-up"],
+               os.path.join(out, "perf_draft_topk.md"))
     rows = _rows("accept_commit")
     if rows:
         _table(rows, ["bs", "N", "layers", "cache", "mean_accept_len", "tree_accept_us",

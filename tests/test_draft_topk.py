@@ -29,16 +29,22 @@ def test_reference_all_neg_inf_row_and_fewer_finite_than_k():
     assert lp[0, 1].tolist() == [0.0, -np.inf, -np.inf]
 
 
-def error_bound(x_row, lp_ref, V, threads):
-    """|kernel - reference| bound: float32 sum-exp error + rounding of lse and of x - lse."""
+def error_bound(x_row, lp_ref, V, threads, parts=1):
+    """|kernel - reference| bound: float32 sum-exp error (``parts`` slices of ``V / parts``
+    terms, then about three roundings per slice to combine them) + rounding of lse and of
+    x - lse."""
     finite = np.isfinite(lp_ref)
     lse = np.float64(x_row.max()) + np.log(np.exp(x_row.astype(np.float64) - x_row.max()).sum())
-    sum_error = (V / threads + 16) * EPS32
+    sum_error = (V / (parts * threads) + 16 + 3 * (parts - 1)) * EPS32
     return sum_error + EPS32 * abs(lse) + EPS32 * np.abs(lp_ref), finite
 
 
-def check_kernel(x, k):
-    lp, ids = K.draft_topk(x, k)
+def check_kernel(x, k, parts=None):
+    from ddtree_numba.kernels.draft_topk import parts_per_row
+
+    if parts is None:
+        parts = parts_per_row(x.shape[0] * x.shape[1], x.shape[2], k)
+    lp, ids = K.draft_topk(x, k, parts=parts)
     lp, ids = lp.copy_to_host(), ids.copy_to_host()
     want_lp, want_ids = ref.draft_topk(x, k)
     np.testing.assert_array_equal(ids, want_ids)
@@ -50,7 +56,8 @@ def check_kernel(x, k):
         for d in range(x.shape[1]):
             if np.isneginf(x32[b, d]).all():
                 continue
-            bound, finite = error_bound(x32[b, d], want_lp[b, d], x.shape[2], TOPK_THREADS)
+            bound, finite = error_bound(x32[b, d], want_lp[b, d], x.shape[2], TOPK_THREADS,
+                                        parts)
             err = np.abs(lp[b, d][finite] - want_lp[b, d][finite])
             assert (err <= bound[finite]).all(), (b, d, err.max())
 
@@ -76,6 +83,54 @@ def test_kernel_matches_reference(case):
         x[:] = 0.0
         x[..., ::3] = -0.0                              # -0.0 == +0.0: ties by id
     check_kernel(x, k)
+
+
+@pytest.mark.parametrize("case", ["random", "ties", "neg_inf", "bf16", "k_equals_v"])
+@pytest.mark.parametrize("parts", [2, 5, 8])
+def test_split_rows_equal_the_reference(case, parts):
+    """Rows split over several blocks and merged: ids exact, log-probs within the bound;
+    slices shorter than k and an empty last slice (V = 96 in 5 parts: 20 x 4 + 16; in 8:
+    12 each)."""
+    rng = np.random.default_rng(parts + hash(case) % 1000)
+    V, k = 96, 12
+    x = rng.standard_normal((2, 2, V)).astype(np.float32)
+    if case == "ties":
+        x = np.round(x)
+    if case == "neg_inf":
+        x[0, 0] = -np.inf
+        x[1, 1, 5:] = -np.inf
+        x[0, 1, :50] = -np.inf                          # whole slices of -inf
+    if case == "bf16":
+        x = x.astype(bfloat16)
+    if case == "k_equals_v":
+        k = V
+        from ddtree_numba.kernels.draft_topk import MERGE_CAP
+
+        parts = min(parts, MERGE_CAP // V)
+    check_kernel(x, k, parts)
+
+
+def test_split_row_with_an_empty_slice():
+    """V = 9 in 4 parts of 3: the fourth slice is empty and contributes nothing."""
+    x = np.random.default_rng(3).standard_normal((1, 2, 9)).astype(np.float32)
+    check_kernel(x, 4, parts=4)
+    check_kernel(x, 9, parts=4)                         # k = V: every slice shorter than k
+
+
+def test_split_scratch_and_parts_are_checked():
+    from ddtree_numba.kernels.draft_topk import allocate_topk_scratch
+
+    x = np.zeros((1, 2, 96), np.float32)
+    with pytest.raises(ValueError, match="parts"):
+        K.draft_topk(x, 12, parts=0)
+    with pytest.raises(ValueError, match="parts"):
+        K.draft_topk(x, 12, parts=97)                   # more parts than logits
+    with pytest.raises(ValueError, match="scratch"):
+        K.draft_topk(x, 12, parts=3, scratch=allocate_topk_scratch(1, 2, 96, 12, parts=2))
+    scratch = allocate_topk_scratch(1, 2, 96, 12, parts=3)
+    lp, ids = K.draft_topk(x, 12, parts=3, scratch=scratch)
+    np.testing.assert_array_equal(ids.copy_to_host(), ref.draft_topk(x, 12)[1])
+    assert allocate_topk_scratch(1, 2, 96, 12, parts=1) is None
 
 
 @pytest.mark.gpu

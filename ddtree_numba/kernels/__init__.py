@@ -9,7 +9,7 @@ from ._device import SIMULATOR, as_device, use_stream
 from .accept_commit import accept_commit
 from .build_tree import allocate_tree, build_tree
 from .commit_kv import commit_kv
-from .draft_topk import draft_topk
+from .draft_topk import allocate_topk_scratch, draft_topk
 from .sample_uniforms import allocate_uniforms, sample_uniforms
 from .sampling_probs import allocate_probs, sampling_probs
 from .tree_accept import allocate_accept, tree_accept
@@ -21,6 +21,7 @@ __all__ = [
     "accept_commit",
     "allocate_accept",
     "allocate_probs",
+    "allocate_topk_scratch",
     "allocate_tree",
     "allocate_uniforms",
     "allocate_workspace",

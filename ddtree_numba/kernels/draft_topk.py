@@ -1,6 +1,7 @@
 """Draft top-K on the GPU: ``kernels.draft_topk``, ids bit-exact to the reference.
 
-One block per ``[b, d, :]`` row of ``V`` logits (``rows = bs * L``). The selection never sorts
+One block per ``[b, d, :]`` row of ``V`` logits (``rows = bs * L``), or, when the rows are too
+few to fill the GPU, ``parts`` blocks per row and a merge (below). The selection never sorts
 the vocabulary: it finds the K-th largest key by **radix select** on the float bits, then sorts
 only the few survivors.
 
@@ -22,6 +23,14 @@ Phases of a block (``T`` threads, ``v`` strided by ``T``: coalesced)::
     4. bitonic sort of the candidates in shared memory (descending uint64), write the
        first K: log-prob = x - lse, id                                            K writes
 
+**Split rows.** At bs = 1 a step has ``L = 15`` rows: 15 blocks on a GPU of 132 SMs. Then
+(:func:`parts_per_row`) block ``(row, p)`` runs the same phases 1-4 on the slice ``row[p *
+chunk:(p + 1) * chunk]`` and writes its best ``k`` packed candidates, its max ``m_p`` and its
+``s_p = sum exp(x - m_p)``; a second launch, one block per row, sorts the ``parts * k``
+candidates and writes the first ``k``, with ``lse = M + log(sum_p s_p exp(m_p - M))``, ``M =
+max_p m_p``. Exact: each of the row's best ``k`` is among the best ``k`` of its own slice, and
+the packed order (key, then id) is the same total order in both launches.
+
 If all 32 key bits are resolved and more than CAP logits are *exactly equal* at the threshold
 (e.g. a row of many -inf), phase 3 takes the tied ones in id order instead: each thread counts
 the ties in a contiguous chunk of the row, one block scan gives each thread its first rank.
@@ -35,8 +44,10 @@ were tried and measured 1.5x slower.
 
 Precision: the log-sum-exp is accumulated in float32 (``m`` is exact: the max logit) in a
 different order than the float64 reference. Its error is at most about ``(V / T + 16)``
-float32 epsilons, plus one rounding of ``lse`` and one of ``x - lse``;
-``tests/test_draft_topk.py`` checks exactly that bound.
+float32 epsilons, plus one rounding of ``lse`` and one of ``x - lse``; a split row adds
+about three epsilons per part (``exp(m_p - M)``, the product, the sum) while each part sums
+only ``V / parts`` terms: ``(V / (parts T) + 16 + 3 parts)``. ``tests/test_draft_topk.py``
+checks exactly that bound.
 """
 
 from __future__ import annotations
@@ -49,7 +60,7 @@ from numba import cuda, float32, int32, uint32, uint64
 
 from ..arrays import storage_kind
 from ..limits import MAX_K
-from ..validation import check_draft_topk
+from ..validation import check_draft_topk, require_int
 from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream
 from ._primitives import (
     bits_of_key,
@@ -67,6 +78,12 @@ BINS = 2048                  # radix digits per level: 11 + 11 + 10 bits
 TIE_CAP = 3072               # candidates taken from the threshold bin without refining
 SORT_CAP = 4096              # >= MAX_K - 1 + TIE_CAP, a power of two
 UNROLL = 8                   # loads in flight per thread in the passes over a row
+SPLIT_MIN_CHUNK = 64 if SIMULATOR else 4096   # logits a block reads at least in a split row
+# parts * k candidates the merge sorts (a power of two <= SORT_CAP): on the H200 a merge of
+# 4096 (k = 256 in 16 parts) cost more than the split saved (165 us against 144 at bs 1,
+# V = 163840), while k = 16 in 18 parts took 68 us against 123
+MERGE_CAP = 1024
+MAX_PARTS = 64               # blocks per row at most
 NEG_INF = float32(-np.inf)
 # (shift, mask) of the three radix levels: bits 31..21, 20..10, 9..0
 LEVEL_SHIFT = (21, 10, 0)
@@ -129,9 +146,10 @@ def _bitonic_sort_desc(keys, n, tid, T):
 
 
 # ------------------------------------------------------------------------------------------
-# The kernel (one specialisation per storage type: float32 bits or bfloat16 bits)
+# The kernels (one specialisation per storage type: float32 bits or bfloat16 bits)
 # ------------------------------------------------------------------------------------------
-def _make_topk_kernel(bf16: bool):
+def _make_topk_kernels(bf16: bool):
+    """``(whole_row_kernel, part_kernel)`` for float32 (``bf16=False``) or bfloat16 bits."""
     if bf16:
 
         @cuda.jit(device=True, inline=True)
@@ -144,42 +162,38 @@ def _make_topk_kernel(bf16: bool):
         def load_bits(row, v):
             return uint32(row[v])
 
-    @cuda.jit
-    def topk_kernel(logit_bits, k, top_log_probs, top_token_ids):
-        """Grid ``(rows,)``, block ``(T,)``; row ``logit_bits[row, :]`` -> K outputs."""
-        row_id = cuda.blockIdx.x
-        tid = cuda.threadIdx.x
-        T = cuda.blockDim.x
-        row = logit_bits[row_id]
-        V = row.shape[0]
-
+    @cuda.jit(device=True, inline=True)
+    def select_top(row, lo, hi, k, tid, T, cand):
+        """Phases 1-4a on the logits ``row[lo:hi]`` (all threads call it): afterwards
+        ``cand[0:kk]`` holds the ``kk = min(k, hi - lo)`` best packed candidates, best first.
+        Returns ``(m, s, kk)``: the slice's max logit and sum of ``exp(x - m)``."""
         hist = cuda.shared.array(BINS, int32)
         scratch = cuda.shared.array(MAX_THREADS, int32)
-        cand = cuda.shared.array(SORT_CAP, uint64)
         result = cuda.shared.array(3, int32)
         red_u = cuda.shared.array(MAX_THREADS, uint32)
         red_f = cuda.shared.array(MAX_THREADS, float32)
         n_cand = cuda.shared.array(1, int32)
         buf = cuda.local.array(UNROLL, uint32)  # UNROLL loads in flight per thread
+        kk = min(k, hi - lo)
 
-        # 1. pass over the row: largest key (-> the max logit) and the first-level histogram
+        # 1. pass over the slice: largest key (-> the max logit) and the first-level histogram
         for d in range(tid, BINS, T):
             hist[d] = 0
         cuda.syncthreads()                  # histogram cleared before the atomics
         max_key = uint32(0)
-        for v0 in range(tid, V, UNROLL * T):
+        for v0 in range(lo + tid, hi, UNROLL * T):
             for u in range(UNROLL):         # issue all loads first (unrolled: registers) ...
                 v = v0 + u * T
-                buf[u] = load_bits(row, v) if v < V else uint32(0)
+                buf[u] = load_bits(row, v) if v < hi else uint32(0)
             for u in range(UNROLL):         # ... then use them
-                if v0 + u * T < V:
+                if v0 + u * T < hi:
                     key = orderable_key(buf[u])
                     max_key = max(max_key, key)
                     cuda.atomic.add(hist, int32(key >> uint32(21)), 1)
         m = float_of_key(block_max(red_u, max_key, tid, T))   # max logit (-inf allowed)
 
-        # 2. radix select of the K-th largest key
-        need = k
+        # 2. radix select of the kk-th largest key
+        need = kk
         prefix = uint32(0)                  # key bits fixed so far ...
         mask = uint32(0)                    # ... and which bits those are
         ties = 0
@@ -190,13 +204,13 @@ def _make_topk_kernel(bf16: bool):
                 for d in range(tid, BINS, T):
                     hist[d] = 0
                 cuda.syncthreads()          # cleared before the atomics
-                for v0 in range(tid, V, UNROLL * T):
+                for v0 in range(lo + tid, hi, UNROLL * T):
                     for u in range(UNROLL):
                         v = v0 + u * T
-                        buf[u] = load_bits(row, v) if v < V else uint32(0)
+                        buf[u] = load_bits(row, v) if v < hi else uint32(0)
                     for u in range(UNROLL):
                         key = orderable_key(buf[u])
-                        if v0 + u * T < V and (key & mask) == prefix:
+                        if v0 + u * T < hi and (key & mask) == prefix:
                             cuda.atomic.add(hist, int32((key >> shift) & digit_mask), 1)
             cuda.syncthreads()              # histogram complete
             _find_threshold_digit(hist, int32(digit_mask) + 1, need, scratch, result, tid, T)
@@ -208,20 +222,20 @@ def _make_topk_kernel(bf16: bool):
             if ties <= TIE_CAP:
                 break
 
-        # 3. pass over the row: sum of exp(x - max), and the candidates (keys above the
+        # 3. pass over the slice: sum of exp(x - max), and the candidates (keys above the
         #    threshold bin, and the bin itself)
         if tid == 0:
             n_cand[0] = 0
         cuda.syncthreads()                  # counter reset before the atomics
         ordered_ties = ties > TIE_CAP       # only when all 32 bits are resolved
         s = float32(0.0)
-        for v0 in range(tid, V, UNROLL * T):
+        for v0 in range(lo + tid, hi, UNROLL * T):
             for u in range(UNROLL):
                 v = v0 + u * T
-                buf[u] = load_bits(row, v) if v < V else uint32(0)
+                buf[u] = load_bits(row, v) if v < hi else uint32(0)
             for u in range(UNROLL):
                 v = v0 + u * T
-                if v < V:
+                if v < hi:
                     x = bits_to_float(buf[u])
                     if x > NEG_INF:
                         s += math.exp(x - m)
@@ -231,25 +245,25 @@ def _make_topk_kernel(bf16: bool):
                         slot = cuda.atomic.add(n_cand, 0, 1)
                         cand[slot] = (uint64(key) << uint64(32)) | uint64(0xFFFFFFFF - v)
         total = block_sum(red_f, s, tid, T)
-        lse = m + math.log(total) if m > NEG_INF else NEG_INF
         if ordered_ties:                    # the first `need` equal keys in id order
-            chunk = (V + T - 1) // T
-            lo = tid * chunk
+            span = (hi - lo + T - 1) // T   # thread tid counts ties in lo + [tid * span, ..)
+            first = lo + tid * span
+            last = min(first + span, hi)
             mine = 0
-            for v in range(lo, min(lo + chunk, V)):
+            for v in range(first, last):
                 if orderable_key(load_bits(row, v)) == prefix:
                     mine += 1
             rank = block_inclusive_scan(scratch, mine, tid, T) - mine
-            base = k - need                 # slots after the keys above the threshold
-            for v in range(lo, min(lo + chunk, V)):
+            base = kk - need                # slots after the keys above the threshold
+            for v in range(first, last):
                 if rank < need and orderable_key(load_bits(row, v)) == prefix:
                     cand[base + rank] = (uint64(prefix) << uint64(32)) | uint64(0xFFFFFFFF - v)
                     rank += 1
             if tid == 0:
-                n_cand[0] = k
+                n_cand[0] = kk
         cuda.syncthreads()                  # all candidates written
 
-        # 4. sort the candidates descending and write the first K
+        # 4a. sort the candidates descending
         n = n_cand[0]
         n2 = 1
         while n2 < n:
@@ -258,23 +272,131 @@ def _make_topk_kernel(bf16: bool):
             cand[i] = uint64(0)
         cuda.syncthreads()                  # padding in place before sorting
         _bitonic_sort_desc(cand, n2, tid, T)
-        for r in range(tid, k, T):
-            packed = cand[r]
-            key = uint32(packed >> uint64(32))
-            token = int32(0xFFFFFFFF - (packed & uint64(0xFFFFFFFF)))
-            x = bits_to_float(bits_of_key(key))
-            top_token_ids[row_id, r] = token
-            top_log_probs[row_id, r] = x - lse if x > NEG_INF else NEG_INF
+        return m, total, kk
 
-    return topk_kernel
+    @cuda.jit
+    def whole_row_kernel(logit_bits, k, top_log_probs, top_token_ids):
+        """Grid ``(rows,)``, block ``(T,)``; row ``logit_bits[row, :]`` -> K outputs."""
+        row_id = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        cand = cuda.shared.array(SORT_CAP, uint64)
+        m, total, _ = select_top(logit_bits[row_id], 0, logit_bits.shape[1], k, tid,
+                                 cuda.blockDim.x, cand)
+        lse = m + math.log(total) if m > NEG_INF else NEG_INF
+        _write_top(cand, k, lse, row_id, tid, cuda.blockDim.x, top_log_probs, top_token_ids)
+
+    @cuda.jit
+    def part_kernel(logit_bits, k, chunk, part_keys, part_max, part_sum):
+        """Grid ``(rows, parts)``: block ``(row, p)`` selects in ``row[p * chunk:(p + 1) *
+        chunk]`` and writes its best ``k`` packed candidates (``0``, below every real key,
+        past the slice's length), its max logit and its sum of ``exp(x - max)``."""
+        row_id = cuda.blockIdx.x
+        p = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        V = logit_bits.shape[1]
+        lo = min(p * chunk, V)
+        hi = min(lo + chunk, V)
+        if lo == hi:                        # an empty slice (the whole block returns here)
+            for r in range(tid, k, cuda.blockDim.x):
+                part_keys[row_id, p, r] = uint64(0)
+            if tid == 0:
+                part_max[row_id, p] = NEG_INF
+                part_sum[row_id, p] = float32(0.0)
+            return
+        cand = cuda.shared.array(SORT_CAP, uint64)
+        m, total, kk = select_top(logit_bits[row_id], lo, hi, k, tid, cuda.blockDim.x, cand)
+        for r in range(tid, k, cuda.blockDim.x):
+            part_keys[row_id, p, r] = cand[r] if r < kk else uint64(0)
+        if tid == 0:
+            part_max[row_id, p] = m
+            part_sum[row_id, p] = total
+
+    return whole_row_kernel, part_kernel
 
 
-#: ``_kernel(bf16)``: the kernel for float32 or bfloat16 logits, made once per kind.
-_kernel = functools.cache(_make_topk_kernel)
+@cuda.jit(device=True, inline=True)
+def _write_top(cand, k, lse, row_id, tid, T, top_log_probs, top_token_ids):
+    """4b. Unpack the first ``k`` sorted candidates: id, and log-prob ``x - lse``."""
+    for r in range(tid, k, T):
+        packed = cand[r]
+        key = uint32(packed >> uint64(32))
+        token = int32(0xFFFFFFFF - (packed & uint64(0xFFFFFFFF)))
+        x = bits_to_float(bits_of_key(key))
+        top_token_ids[row_id, r] = token
+        top_log_probs[row_id, r] = x - lse if x > NEG_INF else NEG_INF
 
 
-def draft_topk(logits, k, *, check=None, out=None):
-    """Per-depth log-softmax top-K of the drafter's logits on the GPU (one launch).
+@cuda.jit
+def _merge_kernel(part_keys, part_max, part_sum, k, top_log_probs, top_token_ids):
+    """Grid ``(rows,)``, block ``(T,)``: the row's ``parts * k`` candidates sorted into its
+    top K (each part's best ``k`` contain every one of the row's best ``k`` that lies in the
+    part), and its log-sum-exp from the parts' ``(max, sum)``."""
+    row_id = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    T = cuda.blockDim.x
+    parts = part_keys.shape[1]
+    cand = cuda.shared.array(MERGE_CAP, uint64)
+    stats = cuda.shared.array(1, float32)
+    n = parts * k                           # <= MERGE_CAP, checked by the launcher
+    n2 = 1
+    while n2 < n:
+        n2 *= 2
+    for i in range(tid, n2, T):             # candidate i: part i // k, rank i % k
+        cand[i] = part_keys[row_id, i // k, i % k] if i < n else uint64(0)
+    if tid == 0:                            # lse = M + log(sum_p s_p exp(m_p - M))
+        big = NEG_INF
+        for q in range(parts):
+            big = max(big, part_max[row_id, q])
+        total = float32(0.0)
+        for q in range(parts):
+            if part_max[row_id, q] > NEG_INF:
+                total += part_sum[row_id, q] * math.exp(part_max[row_id, q] - big)
+        stats[0] = big + math.log(total) if big > NEG_INF else NEG_INF
+    cuda.syncthreads()                      # candidates and lse in place
+    _bitonic_sort_desc(cand, n2, tid, T)
+    _write_top(cand, k, stats[0], row_id, tid, T, top_log_probs, top_token_ids)
+
+
+#: ``_kernels(bf16)``: the two kernels for float32 or bfloat16 logits, made once per kind.
+_kernels = functools.cache(_make_topk_kernels)
+
+
+def _sm_count() -> int:
+    """The GPU's streaming multiprocessors; a pretend 8 on the simulator."""
+    if SIMULATOR:
+        return 8
+    return cuda.get_current_device().MULTIPROCESSOR_COUNT
+
+
+def parts_per_row(rows: int, V: int, k: int) -> int:
+    """How many blocks read each row. Split only where it pays (H200, bench_small_kernels):
+    when the rows would keep at most a quarter of the SMs busy (bs = 1: 15 rows; at bs = 8,
+    120 rows, splitting measured slower), into as many parts as fit two blocks per SM, each
+    slice at least ``max(SPLIT_MIN_CHUNK, 64 k)`` logits (smaller slices lose to their own
+    sort), and ``parts * k <= MERGE_CAP`` candidates for the merge; otherwise 1."""
+    sms = _sm_count()
+    if rows < 1 or 4 * rows > sms:
+        return 1
+    min_chunk = max(SPLIT_MIN_CHUNK, 64 * k)
+    return max(1, min(2 * sms // rows, V // min_chunk, MERGE_CAP // k, MAX_PARTS))
+
+
+def allocate_topk_scratch(bs: int, L: int, V: int, k: int, parts: int | None = None):
+    """The buffers a split :func:`draft_topk` writes between its two launches (``None`` when
+    rows are not split): ``(part_keys uint64[rows, parts, k], part_max float32[rows, parts],
+    part_sum float32[rows, parts])``. Allocate once and pass as ``scratch=`` to keep the
+    launches capturable in a CUDA graph."""
+    rows = bs * L
+    parts = parts_per_row(rows, V, k) if parts is None else parts
+    if parts == 1:
+        return None
+    return (device_empty((rows, parts, k), np.uint64), device_empty((rows, parts), np.float32),
+            device_empty((rows, parts), np.float32))
+
+
+def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None):
+    """Per-depth log-softmax top-K of the drafter's logits on the GPU (one or two launches,
+    no sync).
 
     Parameters
     ----------
@@ -286,6 +408,12 @@ def draft_topk(logits, k, *, check=None, out=None):
         Check values (no NaN / +inf). Default: on for numpy inputs only.
     out : tuple, optional
         Preallocated ``(float32[bs, L, k], int32[bs, L, k])`` device arrays.
+    parts : int, optional
+        Blocks per row (``1 <= parts <= min(V, MERGE_CAP // k, 64)``); default
+        :func:`~ddtree_numba.kernels.draft_topk.parts_per_row`. With more than one, each
+        block selects in a slice of the row and a second launch merges the slices.
+    scratch : tuple, optional
+        :func:`allocate_topk_scratch` buffers for those ``parts`` (allocated here if None).
 
     Returns
     -------
@@ -296,12 +424,24 @@ def draft_topk(logits, k, *, check=None, out=None):
     sz = check_draft_topk(logits, k, check=check)
     if sz.k > MAX_K:
         raise ValueError(f"k: expected at most {MAX_K} (the shared-memory sort), got {sz.k}")
+    rows = sz.bs * sz.L
+    if parts is None:
+        parts = parts_per_row(rows, sz.V, sz.k)
+    parts = require_int("parts", parts, low=1, high=max(1, min(sz.V, MERGE_CAP // sz.k,
+                                                                 MAX_PARTS)))
+    if parts > 1:
+        want = ((rows, parts, sz.k), (rows, parts), (rows, parts))
+        if scratch is None:
+            scratch = allocate_topk_scratch(sz.bs, sz.L, sz.V, sz.k, parts)
+        if (not isinstance(scratch, tuple) or len(scratch) != 3
+                or tuple(a.shape for a in scratch) != want):
+            raise ValueError(f"scratch: expected allocate_topk_scratch(bs, L, V, k, parts) "
+                             f"buffers of shapes {list(want)}, got {_shapes(scratch)}")
     is_bf16 = storage_kind(logits) == "bfloat16"
     if SIMULATOR and is_bf16:               # the simulator has no bf16: widen exactly on host
         logits = np.asarray(logits).astype(np.float32)
         is_bf16 = False
     x = as_device(logits)
-    rows = sz.bs * sz.L
     bits = x.reshape(rows, sz.V)
     bits = bits.view(np.uint16) if is_bf16 else bits.view(np.uint32)
     if out is None:
@@ -310,9 +450,22 @@ def draft_topk(logits, k, *, check=None, out=None):
     else:
         top_lp, top_ids = out
     if rows:
-        launch(_kernel(is_bf16), rows, TOPK_THREADS, launch_stream())(
-            bits, sz.k, top_lp.reshape(rows, sz.k), top_ids.reshape(rows, sz.k))
+        stream = launch_stream()
+        whole_row, part = _kernels(is_bf16)
+        outputs = (top_lp.reshape(rows, sz.k), top_ids.reshape(rows, sz.k))
+        if parts == 1:
+            launch(whole_row, rows, TOPK_THREADS, stream)(bits, sz.k, *outputs)
+        else:
+            chunk = math.ceil(sz.V / parts)
+            launch(part, (rows, parts), TOPK_THREADS, stream)(bits, sz.k, chunk, *scratch)
+            launch(_merge_kernel, rows, TOPK_THREADS, stream)(*scratch, sz.k, *outputs)
     return top_lp, top_ids
+
+
+def _shapes(scratch) -> str:
+    if isinstance(scratch, tuple):
+        return str([tuple(getattr(a, "shape", ())) for a in scratch])
+    return type(scratch).__name__
 
 
 def build_specs():
@@ -321,10 +474,19 @@ def build_specs():
 
     from ._specs import KernelSpec
 
-    out = (types.int64, types.float32[:, ::1], types.int32[:, ::1])
-    return [
-        KernelSpec("draft_topk", "float32 logits", _kernel(False), (types.uint32[:, ::1], *out),
-                   TOPK_THREADS, True),
-        KernelSpec("draft_topk", "bfloat16 logits", _kernel(True), (types.uint16[:, ::1], *out),
-                   TOPK_THREADS, True),
-    ]
+    out = (types.float32[:, ::1], types.int32[:, ::1])
+    part = (types.int64, types.int64, types.uint64[:, :, ::1], types.float32[:, ::1],
+            types.float32[:, ::1])
+    specs = []
+    for name, bits in (("float32", types.uint32), ("bfloat16", types.uint16)):
+        whole_row, part_kernel = _kernels(name == "bfloat16")
+        specs += [
+            KernelSpec("draft_topk", f"{name} logits", whole_row,
+                       (bits[:, ::1], types.int64, *out), TOPK_THREADS, True),
+            KernelSpec("draft_topk", f"{name} logits, row slices", part_kernel,
+                       (bits[:, ::1], *part), TOPK_THREADS, True),
+        ]
+    specs.append(KernelSpec("draft_topk", "merge of the slices", _merge_kernel,
+                            (types.uint64[:, :, ::1], types.float32[:, ::1],
+                             types.float32[:, ::1], types.int64, *out), TOPK_THREADS, True))
+    return specs

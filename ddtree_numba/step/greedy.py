@@ -137,6 +137,7 @@ class GreedyStep:
         # per-step outputs, overwritten every step
         self.top_log_probs = zeros(self.bs, self.L, self.K, dtype=np.float32)
         self.top_token_ids = zeros(self.bs, self.L, self.K)
+        self.topk_scratch = kernels.allocate_topk_scratch(self.bs, self.L, target.vocab, self.K)
         self.tree = kernels.allocate_tree(self.bs, N)
         self.tree_scratch = zeros(self.bs, N)
         self.target_predict = zeros(self.bs, N)
@@ -168,7 +169,7 @@ class GreedyStep:
         self.draft_logits = self.drafter.draft(self.root_token_ids, self.prefix_lens)
 
     def _top_k(self):
-        kernels.draft_topk(self.draft_logits, self.K,
+        kernels.draft_topk(self.draft_logits, self.K, scratch=self.topk_scratch,
                            out=(self.top_log_probs, self.top_token_ids))
 
     def _build_tree(self):
