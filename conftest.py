@@ -11,6 +11,13 @@ import os
 
 ON_GPU = os.environ.get("DDTREE_GPU", "0") == "1"
 os.environ["NUMBA_ENABLE_CUDASIM"] = "0" if ON_GPU else "1"
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One BLAS thread per worker process (and the subprocesses it starts), set before numpy
+    # is imported: ``-n`` workers already use every core, and numpy's default of a thread per
+    # core in every worker would oversubscribe them (the float64 reference models are
+    # numpy matrix products). An explicit setting wins.
+    for variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(variable, "1")
 
 import pytest  # noqa: E402
 

@@ -27,7 +27,7 @@ from ..models.toy_drafter import FixedDrafter, ToyDrafter
 from ..models.toy_mla import ToyMLA, ToyMLAConfig
 from ..models.toy_mla_device import DeviceToyMLA
 from ..reference.commit_kv import slot_address
-from .greedy import GreedyStep
+from .greedy import GreedyStep, check_step_sizes
 from .sampled import SampledStep
 
 CACHE_RTOL = 2e-4       # committed cache rows, device float32 vs reference float64
@@ -183,6 +183,9 @@ def demo_problem(bs, steps, L, k, budget, seed, config: ToyMLAConfig | None = No
 
     sizes = DemoSizes(bs=given(bs, base.bs), steps=given(steps, base.steps), L=given(L, base.L),
                       K=given(k, base.K), budget=given(budget, base.budget), config=base.config)
+    check_step_sizes(bs=sizes.bs, L=sizes.L, K=sizes.K, budget=sizes.budget,   # refused
+                     max_steps=sizes.steps, vocab=sizes.config.vocab,  # before decoding
+                     names=("bs", "L", "k", "budget", "steps"))        # the expected output
     model = ToyMLA(sizes.config)
     starts = np.random.default_rng(seed).integers(0, sizes.config.vocab,
                                                   sizes.bs).astype(np.int32)

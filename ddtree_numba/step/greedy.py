@@ -90,12 +90,8 @@ class GreedyStep:
                 raise TypeError(f"{name}: expected a {kind.__name__} (ddtree_numba.interfaces), "
                                 f"got {type(value).__name__}")
         seed = require_int("seed", seed, low=0)
-        # the kernels' limits, checked here so that a bad size fails before any launch
-        self.bs = require_int("bs", bs, low=1, high=MAX_BATCH)
-        self.L = require_int("L", L, low=1, high=MAX_DEPTH)
-        self.K = require_int("K", K, low=1, high=min(MAX_K, target.vocab))
-        self.budget = require_int("budget", budget, low=0, high=MAX_NODES - 1)
-        self.max_steps = require_int("max_steps", max_steps, low=1)
+        self.bs, self.L, self.K, self.budget, self.max_steps = check_step_sizes(
+            bs=bs, L=L, K=K, budget=budget, max_steps=max_steps, vocab=target.vocab)
         page_size = require_int("page_size", page_size, low=1, high=MAX_PAGE_SIZE)
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
@@ -276,6 +272,18 @@ class GreedyStep:
         return {"tree": self.tree.to_host(), "target_predict": self.target_predict.copy_to_host(),
                 "accept": self.accept.to_host(), "draft_logits": self.draft_logits.copy_to_host(),
                 "prefix_lens": self.prefix_lens.copy_to_host()}
+
+
+def check_step_sizes(*, bs, L, K, budget, max_steps, vocab: int,
+                     names=("bs", "L", "K", "budget", "max_steps")) -> tuple:
+    """``(bs, L, K, budget, max_steps)`` within the kernels' limits, else a ``ValueError``
+    naming the size (by ``names``, the caller's words for them): checked before anything is
+    allocated or computed (the demo checks its sizes with this too, before it decodes the
+    expected output)."""
+    limits = ((bs, 1, MAX_BATCH), (L, 1, MAX_DEPTH), (K, 1, min(MAX_K, vocab)),
+              (budget, 0, MAX_NODES - 1), (max_steps, 1, None))
+    return tuple(require_int(name, value, low=low, high=high)
+                 for name, (value, low, high) in zip(names, limits, strict=True))
 
 
 def _data_address(array) -> int:
