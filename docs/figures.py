@@ -497,6 +497,32 @@ def accept_commit_layout(out: str) -> None:
     plt.close(fig)
 
 
+def accept_commit_fused_layout(out: str) -> None:
+    """accept_commit: the (layer, word) items of DeepSeek-V3's 61 bf16 layers spread over the
+    ``parts`` blocks of one request, from the kernel's block size (nothing restated)."""
+    import math
+
+    plt = _plt()
+    ac = _kernel_module("accept_commit")
+    T = _gpu_value(ac, "ACCEPT_COMMIT_THREADS")
+    layers, words = 61, 576 * 2 // 8                # 576 bf16 values = 144 uint64 words
+    parts = math.ceil(layers * words / T)
+    item = np.arange(layers * words).reshape(layers, words)
+    owner = item // T                               # block part of the request
+    mine = item % T == 37                           # thread 37 of every block
+    fig, ax = plt.subplots(figsize=(8, 5.2))
+    _warp_image(ax, owner, mine, f"uint64 word w of a cache row (W = {words}: 576 bf16 "
+                f"values)", "layer",
+                f"accept_commit, one request: item = layer x {words} + w, block part = "
+                f"item // {T} (T = {T}), thread = item % {T}: {parts} blocks, each staging the "
+                f"tree rows and walking them before it moves its items (colours: blocks; "
+                f"black: thread 37 of each block, its word of every accepted row)",
+                len(_WARP_COLOURS))
+    fig.savefig(os.path.join(out, "layout_accept_commit_fused.png"), dpi=100,
+                bbox_inches="tight")
+    plt.close(fig)
+
+
 def thumbnails(out: str, tree) -> None:
     """Thumbnails for the examples that draw no figure: the five stages, the ancestor mask."""
     plt = _plt()
@@ -576,5 +602,6 @@ def generate(out: str) -> None:
     build_tree_layout(out)
     draft_topk_layout(out)
     accept_commit_layout(out)
+    accept_commit_fused_layout(out)
     mma_fragment_figure(out)
     thumbnails(out, step["tree"])
