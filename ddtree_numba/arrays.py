@@ -8,6 +8,7 @@ Every other module asks here instead of testing types, dtype strings or item siz
   array, whoever allocated it;
 * :func:`host_values`: the values as numpy (a device-to-host copy for device arrays);
 * :func:`host_view`: the numpy array behind a numpy or simulator array, without a copy;
+* :func:`data_address`: where its first element is (to tell views of one buffer apart);
 * :func:`array_source`: who made it (``"numpy"``, ``"torch"``, ``"simulator"`` or ``"cuda"``,
   any other CUDA Array Interface array), which is how
   :func:`ddtree_numba.kernels.as_device` picks its conversion.
@@ -173,3 +174,12 @@ def host_view(a) -> np.ndarray:
         return a._ary
     raise TypeError(f"expected a numpy array or a CUDA simulator device array, got "
                     f"{type(a).__name__}")
+
+
+def data_address(a) -> int:
+    """The address of ``a``'s first element: from the CUDA Array Interface, or for numpy and
+    simulator arrays (whose attributes are the numpy array's) from the array interface."""
+    interface = getattr(a, "__cuda_array_interface__", None)
+    if interface is None:
+        interface = a.__array_interface__
+    return interface["data"][0]

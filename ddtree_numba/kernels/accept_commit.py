@@ -37,6 +37,7 @@ import math
 import numpy as np
 from numba import cuda, int32, int64
 
+from ..arrays import data_address
 from ..contracts import AcceptResult
 from ..limits import MAX_NODES
 from ..validation import check_accept_commit, require_array
@@ -44,8 +45,8 @@ from ._device import SIMULATOR, as_device, device_empty, kernel_for_block, launc
 from .commit_kv import commit_column, valid_prefix
 from .tree_accept import checked_out, greedy_walk, write_accept_rows
 
-# 256 threads: four blocks of a request's staging and walk fit on an SM beside each other
-# (registers capped at 64 a thread by launch_bounds); N <= 1056 is staged in five rounds
+# 256 threads (128 and 512 measured no faster on the H200); N <= 1056 is staged in five
+# rounds; 92 / 76 registers on sm_120 / sm_90: two or three blocks an SM
 ACCEPT_COMMIT_THREADS = 32 if SIMULATOR else 256
 MAX_PARTS = 65535                                   # the grid's y limit
 
@@ -92,13 +93,6 @@ def _accept_commit_kernel(token_ids, next_token, next_sibling, target_predict, k
         commit_column(kv_words[layer], paging, path, N, P, k, item - layer * words)
 
 
-def _data_address(array) -> int:
-    interface = getattr(array, "__cuda_array_interface__", None)
-    if interface is None:                           # the simulator: a numpy array inside
-        interface = array.__array_interface__
-    return interface["data"][0]
-
-
 def as_words(cache):
     """``cache`` (``[layers, num_pages, page_size, D]``) viewed as ``uint64`` words when it is
     C-contiguous, 8-byte aligned and a row is a whole number of them; else as the unsigned
@@ -106,7 +100,7 @@ def as_words(cache):
     own = np.dtype(f"uint{8 * cache.dtype.itemsize}")
     row_bytes = cache.shape[cache.ndim - 1] * cache.dtype.itemsize   # no [-1]: the simulator
     if (cache.is_c_contiguous() and row_bytes % 8 == 0 and cache.size
-            and _data_address(cache) % 8 == 0):
+            and data_address(cache) % 8 == 0):
         return cache.view(np.uint64)
     return cache.view(own)
 

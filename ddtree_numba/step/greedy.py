@@ -37,6 +37,7 @@ import numpy as np
 from numba import cuda
 
 from .. import kernels
+from ..arrays import data_address
 from ..interfaces import Drafter, Target
 from ..limits import (
     MAX_BATCH,
@@ -286,15 +287,6 @@ def check_step_sizes(*, bs, L, K, budget, max_steps, vocab: int,
                  for name, (value, low, high) in zip(names, limits, strict=True))
 
 
-def _data_address(array) -> int:
-    """The address of ``array``'s first element (a device array, or the numpy array behind
-    one on the simulator)."""
-    interface = getattr(array, "__cuda_array_interface__", None)
-    if interface is None:
-        interface = array.__array_interface__
-    return interface["data"][0]
-
-
 def stacked_kv_cache(target: Target):
     """``target.kv_cache`` when it is one ``[layers, num_pages, page_size, D]`` array whose
     layers are exactly the caches that ``target.kv_caches()`` returns (same order, shapes,
@@ -306,10 +298,10 @@ def stacked_kv_cache(target: Target):
     stack = getattr(target, "kv_cache", None)
     if stack is None or getattr(stack, "ndim", 0) != 4 or stack.shape[0] != len(layers):
         return None
-    base = _data_address(stack)
+    base = data_address(stack)
     for i, layer in enumerate(layers):
         if (layer.shape != stack.shape[1:] or layer.dtype != stack.dtype
                 or layer.strides != stack.strides[1:]
-                or _data_address(layer) != base + i * stack.strides[0]):
+                or data_address(layer) != base + i * stack.strides[0]):
             return None
     return stack
