@@ -39,9 +39,12 @@ TEMPERATURES = (0.0, 0.6, 1.0)
 BS, BUDGET, VOCAB, DEPTH, TOPK = 64, 256, 163840, 15, 16
 PARAMS = {"temperature": (1.0, 0, 1.0), "top-k 50": (0.6, 50, 1.0),
           "top-p 0.9": (1.0, 0, 0.9), "top-k 50, top-p 0.9": (0.6, 50, 0.9)}
-# passes over the logits of sampling_probs: max, sum, write (+1 sum after top-p) and one per
-# bit of the threshold searches (see kernels/sampling_probs.py)
-PASSES = {"temperature": 3, "top-k 50": 35, "top-p 0.9": 35, "top-k 50, top-p 0.9": 67}
+
+
+def passes(top_k: int, top_p: float) -> int:
+    """Passes of sampling_probs over a row of logits: max, sum and write, plus one per bit of
+    each threshold search it runs (top-k, top-p: 32 each; see kernels/sampling_probs.py)."""
+    return 3 + 32 * (top_k > 0) + 32 * (top_p < 1)
 
 
 def bench_tokens():
@@ -63,14 +66,15 @@ def tokens_at(bench, logit_scale):
         config=ToyMLAConfig.gpu(logit_scale=logit_scale))
     timed_run(build_step(model, continuation, sizes, mode="eager", accuracy=0.8, seed=0,
                          sampling={"temperature": 1.0}), starts)     # compile: not timed
+    greedy_tokens = timed_run(build_step(model, continuation, sizes, mode="graph",
+                                         accuracy=0.8, seed=0), starts)["tokens"]
     for temperature in TEMPERATURES:
         sampling = {"temperature": temperature, "top_k": 0, "top_p": 1.0}
         runs = {mode: timed_run(build_step(model, continuation, sizes, mode=mode, accuracy=0.8,
                                            seed=0, sampling=sampling), starts)
                 for mode in ("eager", "graph")}
         tokens = runs["eager"]["tokens"]
-        greedy_step = build_step(model, continuation, sizes, mode="graph", accuracy=0.8, seed=0)
-        same_as_greedy = timed_run(greedy_step, starts)["tokens"] == tokens
+        same_as_greedy = greedy_tokens == tokens
         emitted = sum(map(len, tokens))
         bench.add(logit_scale=logit_scale, temperature=temperature, bs=sizes.bs,
                   steps=sizes.steps, L=sizes.L, K=sizes.K, budget=sizes.budget, tokens=emitted,
@@ -140,7 +144,7 @@ def torch_walk(token_ids, next_token, next_sibling, probs, uniforms, bonus_unifo
     return length, bonus
 
 
-def boosted_logits(tree, rng):
+def boosted_logits(tree):
     """float32 logits [bs, N, V] where, at every node, its first child's token is likely
     (+14 over a standard normal: ~0.8 of the mass at temperature 1), so walks go deep."""
     bs, N = tree.token_ids.shape
@@ -162,7 +166,7 @@ def bench_kernels():
     tree = ref.build_tree(lp, ids, np.zeros(BS, np.int32), BUDGET)
     N = BUDGET + 1
     rows = BS * N
-    logits_t = boosted_logits(tree, rng)
+    logits_t = boosted_logits(tree)
     logits = K.as_device(logits_t)
     probs = K.allocate_probs(BS, N, VOCAB)
     probs_t = torch.as_tensor(probs, device="cuda")
@@ -210,6 +214,7 @@ def bench_kernels():
         # the fused kernel's passes: those of sampling_probs but its write, at every visited
         # row, and the residual's pass over the last row of each request
         visited = int(accept_len.sum()) + BS
+        n_passes = passes(top_k, top_p)
         unfused_ms = t_probs["ms"] + t_walk["ms"]
         torch_ms = t_torch["ms"] + t_torch_walk["ms"]
         bench.add(kernel="sampling_probs + tree_sample", params=name, **common,
@@ -217,9 +222,9 @@ def bench_kernels():
                   gpu_us=unfused_ms * 1e3, fused_us=t_fused["ms"] * 1e3,
                   torch_probs_us=t_torch["ms"] * 1e3, torch_walk_us=t_torch_walk["ms"] * 1e3,
                   torch_us=torch_ms * 1e3, fused_vs_torch=torch_ms / t_fused["ms"],
-                  unfused_vs_torch=torch_ms / unfused_ms, passes=PASSES[name],
-                  probs_moved_gbs=(PASSES[name] + 1) * nbytes / (t_probs["ms"] * 1e-3) / 1e9,
-                  fused_moved_gbs=((PASSES[name] - 1) * visited + BS) * VOCAB * 4
+                  unfused_vs_torch=torch_ms / unfused_ms, passes=n_passes,
+                  probs_moved_gbs=(n_passes + 1) * nbytes / (t_probs["ms"] * 1e-3) / 1e9,
+                  fused_moved_gbs=((n_passes - 1) * visited + BS) * VOCAB * 4
                   / (t_fused["ms"] * 1e-3) / 1e9,
                   mean_accept_len=float(accept_len.mean()), fused_equals_unfused=exact,
                   torch_lengths_agree=bool((length.cpu().numpy() == accept_len).all()),

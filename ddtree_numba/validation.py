@@ -386,32 +386,42 @@ class AcceptSizes:
     N: int
 
 
+def _require_tree_lists(lists, sizes: dict) -> list:
+    """``int32[bs, N]`` for each ``(name, array)`` of ``lists`` (the tree's rows), ``N >= 1``
+    (checked or not: every walk starts at node 0). Returns their infos."""
+    infos = [require_array(name, a, (INT32,), ("bs", "N"), sizes) for name, a in lists]
+    if sizes["N"] < 1:
+        raise ValueError("token_ids: expected N >= 1 (node 0 is the root)")
+    return infos
+
+
+def _check_tree_links(next_token, next_sibling, bs: int, N: int) -> None:
+    """The value checks of first-child / next-sibling lists: links are -1 or node indices in
+    ``(0, N)`` and no node is the target of two links (the lists form a tree)."""
+    for name, links in (("next_token", next_token), ("next_sibling", next_sibling)):
+        v = host_values(links)
+        bad = (v < -1) | (v == 0) | (v >= N)
+        if bad.any():
+            raise ValueError(f"{name}: expected -1 or a node index in [1, N={N}), "
+                             f"got {int(v[bad][0])} at index {_first_index(bad)}")
+    both = np.concatenate([host_values(next_token), host_values(next_sibling)], axis=1)
+    for b in range(bs):
+        targets = both[b][both[b] >= 0]
+        if np.unique(targets).size != targets.size:
+            raise ValueError(f"next_token/next_sibling: request {b} links to a node twice, "
+                             "so its lists are not a tree")
+
+
 def check_tree_accept(token_ids, next_token, next_sibling, target_predict, *,
                       check=None) -> AcceptSizes:
     """Links are -1 or node indices in ``(0, N)``, no node is the target of two links, so the
     first-child / next-sibling lists seen from the root form a tree and every walk ends."""
     sizes: dict = {}
-    infos = [
-        require_array("token_ids", token_ids, (INT32,), ("bs", "N"), sizes),
-        require_array("next_token", next_token, (INT32,), ("bs", "N"), sizes),
-        require_array("next_sibling", next_sibling, (INT32,), ("bs", "N"), sizes),
-        require_array("target_predict", target_predict, (INT32,), ("bs", "N"), sizes),
-    ]
-    if sizes["N"] < 1:
-        raise ValueError("token_ids: expected N >= 1 (node 0 is the root)")
+    infos = _require_tree_lists((("token_ids", token_ids), ("next_token", next_token),
+                                 ("next_sibling", next_sibling),
+                                 ("target_predict", target_predict)), sizes)
     if _values_wanted(infos, check):
-        for name, links in (("next_token", next_token), ("next_sibling", next_sibling)):
-            v = host_values(links)
-            bad = (v < -1) | (v == 0) | (v >= sizes["N"])
-            if bad.any():
-                raise ValueError(f"{name}: expected -1 or a node index in [1, N={sizes['N']}), "
-                                 f"got {int(v[bad][0])} at index {_first_index(bad)}")
-        both = np.concatenate([host_values(next_token), host_values(next_sibling)], axis=1)
-        for b in range(sizes["bs"]):
-            targets = both[b][both[b] >= 0]
-            if np.unique(targets).size != targets.size:
-                raise ValueError(f"next_token/next_sibling: request {b} links to a node twice, "
-                                 "so its lists are not a tree")
+        _check_tree_links(next_token, next_sibling, sizes["bs"], sizes["N"])
     return AcceptSizes(sizes["bs"], sizes["N"])
 
 
@@ -424,11 +434,8 @@ def _require_sampled_tree(token_ids, next_token, next_sibling, uniforms, bonus_u
                           sizes: dict) -> list:
     """The array checks shared by :func:`check_tree_sample` and
     :func:`check_tree_sample_logits` (shapes into ``sizes``); returns their infos."""
-    infos = [require_array(name, a, (INT32,), ("bs", "N"), sizes) for name, a in
-             (("token_ids", token_ids), ("next_token", next_token),
-              ("next_sibling", next_sibling))]
-    if sizes["N"] < 1:                          # checked or not: the walk starts at node 0
-        raise ValueError("token_ids: expected N >= 1 (node 0 is the root)")
+    infos = _require_tree_lists((("token_ids", token_ids), ("next_token", next_token),
+                                 ("next_sibling", next_sibling)), sizes)
     return infos + [require_array("uniforms", uniforms, (FLOAT32,), ("bs", "N"), sizes),
                     require_array("bonus_uniforms", bonus_uniforms, (FLOAT32,), ("bs",), sizes)]
 
@@ -438,7 +445,8 @@ def _check_sampled_tree_values(token_ids, next_token, next_sibling, uniforms, bo
     """The value checks of a tree to walk by sampling: a tree (as for ``tree_accept``),
     uniforms in ``[0, 1)``, token ids in ``[0, V)`` at the nodes the walk can reach and no token
     twice among siblings. Returns, per request, the sorted nodes the walk can reach."""
-    sz = check_tree_accept(token_ids, next_token, next_sibling, token_ids, check=True)
+    bs, N = array_info("token_ids", token_ids).shape
+    _check_tree_links(next_token, next_sibling, bs, N)
     for name, u in (("uniforms", uniforms), ("bonus_uniforms", bonus_uniforms)):
         v = host_values(u)
         bad = ~((v >= 0) & (v < 1))
@@ -448,7 +456,7 @@ def _check_sampled_tree_values(token_ids, next_token, next_sibling, uniforms, bo
     tokens, first = host_values(token_ids), host_values(next_token)
     sibling = host_values(next_sibling)
     reachable = []
-    for b in range(sz.bs):
+    for b in range(bs):
         stack, nodes = [0], []
         while stack:                            # the nodes the walk can reach from the root
             i = stack.pop()
@@ -535,9 +543,9 @@ def check_accept_commit(token_ids, next_token, next_sibling, target_predict, kv_
     pages for the slots ``[0, P + N)`` of every request (the path is the walk's: a root path
     of the tree, so ``a_i >= i``)."""
     sizes: dict = {}
-    infos = [require_array(name, a, (INT32,), ("bs", "N"), sizes) for name, a in
-             (("token_ids", token_ids), ("next_token", next_token),
-              ("next_sibling", next_sibling), ("target_predict", target_predict))]
+    infos = _require_tree_lists((("token_ids", token_ids), ("next_token", next_token),
+                                 ("next_sibling", next_sibling),
+                                 ("target_predict", target_predict)), sizes)
     dims = ("num_pages", "page_size", "D")
     if len(array_info("kv_cache", kv_cache).shape) == 4:
         dims = ("layers", *dims)
@@ -545,11 +553,11 @@ def check_accept_commit(token_ids, next_token, next_sibling, target_predict, kv_
               require_array("block_table", block_table, (INT32,), ("bs", "max_pages"), sizes),
               require_array("prefix_lens", prefix_lens, (INT32,), ("bs",), sizes)]
     require_page_size(infos[4], sizes)
-    wanted = _values_wanted(infos, check)
-    sz = check_tree_accept(token_ids, next_token, next_sibling, target_predict, check=wanted)
-    if wanted:
-        check_paged_slots(block_table, prefix_lens, sz.N, sizes["num_pages"],
+    if _values_wanted(infos, check):
+        _check_tree_links(next_token, next_sibling, sizes["bs"], sizes["N"])
+        check_paged_slots(block_table, prefix_lens, sizes["N"], sizes["num_pages"],
                           sizes["page_size"])
+    sz = AcceptSizes(sizes["bs"], sizes["N"])
     return CommitSizes(sz.bs, sz.N, sizes["num_pages"], sizes["page_size"], sizes["D"])
 
 

@@ -71,6 +71,14 @@ if SIMULATOR:
 _stream_stack: list = []
 
 
+def sm_count() -> int:
+    """Streaming multiprocessors of the current GPU (132 on the H200); the simulator pretends
+    to be an H200, so that launch-shape choices made from it are the GPU's."""
+    if SIMULATOR:
+        return 132
+    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+
+
 def kernel_for_block(threads: int):
     """``@cuda.jit`` of a kernel always launched with ``threads`` threads a block, compiled so
     that such a block fits (``launch_bounds``: at most ``65536 / threads`` registers a thread,

@@ -60,8 +60,8 @@ from numba import cuda, float32, int32, uint32, uint64
 
 from ..arrays import storage_kind
 from ..limits import MAX_K
-from ..validation import check_draft_topk, require_int
-from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream
+from ..validation import check_draft_topk, require_array, require_int
+from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream, sm_count
 from ._primitives import (
     bits_of_key,
     bits_to_float,
@@ -361,20 +361,13 @@ def _merge_kernel(part_keys, part_max, part_sum, k, top_log_probs, top_token_ids
 _kernels = functools.cache(_make_topk_kernels)
 
 
-def _sm_count() -> int:
-    """The GPU's streaming multiprocessors; a pretend 8 on the simulator."""
-    if SIMULATOR:
-        return 8
-    return cuda.get_current_device().MULTIPROCESSOR_COUNT
-
-
 def parts_per_row(rows: int, V: int, k: int) -> int:
     """How many blocks read each row. Split only where it pays (H200, bench_small_kernels):
     when the rows would keep at most a quarter of the SMs busy (bs = 1: 15 rows; at bs = 8,
     120 rows, splitting measured slower), into as many parts as fit two blocks per SM, each
     slice at least ``max(SPLIT_MIN_CHUNK, 64 k)`` logits (smaller slices lose to their own
     sort), and ``parts * k <= MERGE_CAP`` candidates for the merge; otherwise 1."""
-    sms = _sm_count()
+    sms = sm_count()
     if rows < 1 or 4 * rows > sms:
         return 1
     min_chunk = max(SPLIT_MIN_CHUNK, 64 * k)
@@ -413,7 +406,8 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None):
         :func:`~ddtree_numba.kernels.draft_topk.parts_per_row`. With more than one, each
         block selects in a slice of the row and a second launch merges the slices.
     scratch : tuple, optional
-        :func:`allocate_topk_scratch` buffers for those ``parts`` (allocated here if None).
+        :func:`allocate_topk_scratch` buffers for those ``parts`` (allocated here if None;
+        when ``parts`` is omitted, their shape sets it).
 
     Returns
     -------
@@ -425,18 +419,22 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None):
     if sz.k > MAX_K:
         raise ValueError(f"k: expected at most {MAX_K} (the shared-memory sort), got {sz.k}")
     rows = sz.bs * sz.L
-    if parts is None:
-        parts = parts_per_row(rows, sz.V, sz.k)
+    if parts is None:                       # given scratch fixes it (no device query)
+        parts = (scratch[0].shape[1] if isinstance(scratch, tuple) and scratch
+                 else parts_per_row(rows, sz.V, sz.k))
     parts = require_int("parts", parts, low=1, high=max(1, min(sz.V, MERGE_CAP // sz.k,
                                                                  MAX_PARTS)))
     if parts > 1:
-        want = ((rows, parts, sz.k), (rows, parts), (rows, parts))
         if scratch is None:
             scratch = allocate_topk_scratch(sz.bs, sz.L, sz.V, sz.k, parts)
-        if (not isinstance(scratch, tuple) or len(scratch) != 3
-                or tuple(a.shape for a in scratch) != want):
-            raise ValueError(f"scratch: expected allocate_topk_scratch(bs, L, V, k, parts) "
-                             f"buffers of shapes {list(want)}, got {_shapes(scratch)}")
+        if not isinstance(scratch, tuple) or len(scratch) != 3:
+            raise TypeError(f"scratch: expected the tuple allocate_topk_scratch(bs, L, V, k, "
+                            f"parts) returns, got {type(scratch).__name__}")
+        sizes = {"rows": rows, "parts": parts, "k": sz.k}
+        for i, (dtype, dims) in enumerate(((np.uint64, ("rows", "parts", "k")),
+                                           (np.float32, ("rows", "parts")),
+                                           (np.float32, ("rows", "parts")))):
+            require_array(f"scratch[{i}]", scratch[i], (dtype,), dims, sizes)
     is_bf16 = storage_kind(logits) == "bfloat16"
     if SIMULATOR and is_bf16:               # the simulator has no bf16: widen exactly on host
         logits = np.asarray(logits).astype(np.float32)
@@ -460,12 +458,6 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None):
             launch(part, (rows, parts), TOPK_THREADS, stream)(bits, sz.k, chunk, *scratch)
             launch(_merge_kernel, rows, TOPK_THREADS, stream)(*scratch, sz.k, *outputs)
     return top_lp, top_ids
-
-
-def _shapes(scratch) -> str:
-    if isinstance(scratch, tuple):
-        return str([tuple(getattr(a, "shape", ())) for a in scratch])
-    return type(scratch).__name__
 
 
 def build_specs():

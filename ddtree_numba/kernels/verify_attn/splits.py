@@ -31,16 +31,9 @@ import math
 from numba import cuda, float32
 
 from ...limits import MAX_DC
-from .._device import SIMULATOR
+from .._device import sm_count
 from .readable import NEG_INF
 from .tiled import BM, BN, VSLOTS
-
-
-def sm_count() -> int:
-    """Streaming multiprocessors of the current GPU (132 on the H200; 132 on the simulator)."""
-    if SIMULATOR:
-        return 132
-    return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
 def _split_cost(slots: int) -> float:

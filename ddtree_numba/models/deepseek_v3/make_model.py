@@ -159,18 +159,18 @@ def make_model(folder: str, *, preset: str = "tiny", seed: int = 0, shards: int 
         raise ValueError(f"folder: expected a directory, got {folder!r} (a file)")
     config = {**COMMON, **PRESETS[preset]}
     shapes = tensor_shapes(config)
-    total = sum(int(np.prod(s)) * (4 if n.endswith("bias") else 2) for n, s in shapes.items())
     shards = min(shards, len(shapes))
     os.makedirs(folder, exist_ok=True)
     created = []                                # removed again if writing fails midway
     try:
         rng = np.random.default_rng(seed)
-        weight_map, written = {}, 0
+        weight_map, written, total = {}, 0, 0       # total: bytes, for the index
         for shard, run in enumerate(np.array_split(np.array(list(shapes)), shards)):
             file = f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"
             tensors = {}
             for name in map(str, run):
                 tensors[name] = random_tensor(name, shapes[name], config["hidden_size"], rng)
+                total += tensors[name].nbytes
                 weight_map[name] = file
                 written += 1
                 if progress is not None:
