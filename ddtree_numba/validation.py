@@ -557,8 +557,8 @@ def check_accept_commit(token_ids, next_token, next_sibling, target_predict, kv_
         _check_tree_links(next_token, next_sibling, sizes["bs"], sizes["N"])
         check_paged_slots(block_table, prefix_lens, sizes["N"], sizes["num_pages"],
                           sizes["page_size"])
-    sz = AcceptSizes(sizes["bs"], sizes["N"])
-    return CommitSizes(sz.bs, sz.N, sizes["num_pages"], sizes["page_size"], sizes["D"])
+    return CommitSizes(sizes["bs"], sizes["N"], sizes["num_pages"], sizes["page_size"],
+                       sizes["D"])
 
 
 @dataclass(frozen=True)

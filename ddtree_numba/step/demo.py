@@ -171,6 +171,10 @@ def timed_run(step: GreedyStep, starts) -> dict:
             "wall_us": 1e6 * wall}
 
 
+#: The demo's words for the step's sizes (its options), in check_step_sizes' order
+DEMO_SIZE_NAMES = ("bs", "L", "k", "budget", "steps")
+
+
 def given(value, default):
     """``value``, or ``default`` where it is None (0 is a value, which the checks refuse)."""
     return default if value is None else value
@@ -185,9 +189,9 @@ def demo_problem(bs, steps, L, k, budget, seed, config: ToyMLAConfig | None = No
         base = replace(base, config=config)
     sizes = DemoSizes(bs=given(bs, base.bs), steps=given(steps, base.steps), L=given(L, base.L),
                       K=given(k, base.K), budget=given(budget, base.budget), config=base.config)
-    check_step_sizes(bs=sizes.bs, L=sizes.L, K=sizes.K, budget=sizes.budget,   # refused
-                     max_steps=sizes.steps, vocab=sizes.config.vocab,  # before decoding
-                     names=("bs", "L", "k", "budget", "steps"))        # the expected output
+    # refused before the expected output is decoded (the slow part)
+    check_step_sizes(bs=sizes.bs, L=sizes.L, K=sizes.K, budget=sizes.budget,
+                     max_steps=sizes.steps, vocab=sizes.config.vocab, names=DEMO_SIZE_NAMES)
     model = ToyMLA(sizes.config)
     starts = np.random.default_rng(seed).integers(0, sizes.config.vocab,
                                                   sizes.bs).astype(np.int32)
@@ -325,7 +329,7 @@ def run_model_demo(folder: str, *, bs=None, steps=None, L=None, k=None, budget=N
     checkpoint = Checkpoint(folder)
     c = checkpoint.config
     check_step_sizes(bs=bs, L=L, K=k, budget=budget, max_steps=steps, vocab=c.vocab_size,
-                     names=("bs", "L", "k", "budget", "steps"))    # before the slow decoding
+                     names=DEMO_SIZE_NAMES)                        # before the slow decoding
     experts = (f"{c.n_routed_experts} experts ({c.num_experts_per_tok} a token)"
                if c.n_routed_experts else "dense")
     out(f"{c.model_type} checkpoint {folder}: {c.num_hidden_layers} layers, "
