@@ -185,7 +185,10 @@ class GreedyStep:
                             self.target_predict, out=self.accept)
 
     def _commit_kv(self):
-        for cache in self.target.kv_caches():
+        # a stacked cache commits every layer in one launch (the sampled step, whose walk is
+        # its own kernel, commits this way), other targets' caches one launch each
+        stack = self.stacked_kv_cache
+        for cache in self.target.kv_caches() if stack is None else [stack]:
             kernels.commit_kv(cache, self.block_table, self.prefix_lens,
                               self.accept.accept_nodes, self.accept.accept_len,
                               out=self.new_prefix_lens)
