@@ -649,12 +649,25 @@ class CommitSizes:
     D: int
 
 
+#: CUDA's limit on a grid's z extent: ``commit_kv`` launches one z-block per layer of a stack
+MAX_STACKED_LAYERS = 65535
+
+
 def kv_cache_dims(kv_cache) -> tuple:
     """The axis names of a cache that commits accept: one layer ``[num_pages, page_size, D]``,
-    or all layers stacked, ``[layers, num_pages, page_size, D]`` (any other rank is refused
-    by :func:`require_array` against the one-layer form)."""
+    or all layers stacked, ``[layers, num_pages, page_size, D]`` (at most
+    ``MAX_STACKED_LAYERS``); any other rank is refused, naming ``kv_cache``."""
+    info = array_info("kv_cache", kv_cache)
     dims = ("num_pages", "page_size", "D")
-    return ("layers", *dims) if len(array_info("kv_cache", kv_cache).shape) == 4 else dims
+    if len(info.shape) == 4:
+        if info.shape[0] > MAX_STACKED_LAYERS:
+            raise ValueError(f"kv_cache: expected at most {MAX_STACKED_LAYERS} stacked layers, "
+                             f"got {describe(info)}")
+        return ("layers", *dims)
+    if len(info.shape) != 3:
+        raise ValueError(f"kv_cache: expected rank 3 [num_pages, page_size, D] or rank 4 "
+                         f"[layers, num_pages, page_size, D], got {describe(info)}")
+    return dims
 
 
 def check_commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len, *,

@@ -95,8 +95,36 @@ def test_a_cache_of_another_rank_is_refused_by_name(shape):
     _, table = paged_cache(rng, 1, prefix, 3, page_size=2, D=12)
     nodes, lens = np.array([[0, 1, -1]], np.int32), np.array([1], np.int32)
     for impl in (ref.commit_kv, K.commit_kv):
-        with pytest.raises(ValueError, match="kv_cache: expected rank 3"):
+        with pytest.raises(ValueError, match=r"kv_cache: expected rank 3 .* or rank 4"):
             impl(np.zeros(shape, np.float32), table, prefix, nodes, lens)
+
+
+def test_more_stacked_layers_than_a_grid_holds_are_refused_by_name():
+    from ddtree_numba.validation import MAX_STACKED_LAYERS
+
+    rng = np.random.default_rng(0)
+    prefix = np.array([0], np.int32)
+    _, table = paged_cache(rng, 1, prefix, 3, page_size=2, D=1)
+    nodes, lens = np.array([[0, 1, -1]], np.int32), np.array([1], np.int32)
+    huge = np.broadcast_to(np.zeros(1, np.float32), (MAX_STACKED_LAYERS + 1, 3, 2, 1))
+    with pytest.raises(ValueError, match="kv_cache: expected at most 65535 stacked layers"):
+        K.commit_kv(huge, table, prefix, nodes, lens)
+
+
+def test_out_must_not_be_prefix_lens_and_zero_width_rows_still_give_lengths():
+    rng = np.random.default_rng(0)
+    prefix = np.array([0, 5], np.int32)
+    cache, table = paged_cache(rng, 2, prefix, 4, page_size=2, D=3)
+    nodes = np.array([[0, 1, 3, -1], [0, -1, -1, -1]], np.int32)
+    lens = np.array([2, 0], np.int32)
+    d_prefix = K.as_device(prefix)
+    with pytest.raises(ValueError, match="out: expected a buffer of its own"):
+        K.commit_kv(K.as_device(cache), table, d_prefix, nodes, lens, out=d_prefix)
+    assert host_values(d_prefix).tolist() == [0, 5]                 # untouched
+    with pytest.raises(ValueError, match="out: expected"):
+        K.commit_kv(cache, table, prefix, nodes, lens, out=K.as_device(np.zeros(3, np.int32)))
+    narrow = np.zeros((cache.shape[0], cache.shape[1], 0), np.float32)
+    assert host_values(K.commit_kv(narrow, table, prefix, nodes, lens)).tolist() == [3, 6]
 
 
 def test_overlapping_moves_and_k0():

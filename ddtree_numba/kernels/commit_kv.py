@@ -31,8 +31,9 @@ import math
 import numpy as np
 from numba import cuda, int32, int64
 
+from ..arrays import data_address
 from ..limits import MAX_POSITION
-from ..validation import check_commit_kv
+from ..validation import check_commit_kv, require_array
 from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream
 
 COMMIT_THREADS = 32 if SIMULATOR else 128
@@ -164,10 +165,19 @@ def commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len, *, c
     if cache.ndim == 3:
         cache = cache.reshape(1, *cache.shape)      # one layer: a stack of one
     args = [as_device(a) for a in (block_table, prefix_lens, accept_nodes, accept_len)]
-    new_prefix = device_empty((sz.bs,), np.int32) if out is None else out
+    if out is None:
+        new_prefix = device_empty((sz.bs,), np.int32)
+    else:
+        require_array("out", out, (np.int32,), ("bs",), {"bs": sz.bs})
+        if data_address(out) == data_address(args[1]):
+            # other blocks still read prefix_lens[b] after its request's writer thread is done
+            raise ValueError("out: expected a buffer of its own, got prefix_lens itself")
+        new_prefix = out
     stream = launch_stream()
     if sz.bs:
-        grid = (math.ceil(sz.D / COMMIT_THREADS), sz.bs, max(cache.shape[0], 1))
+        # (at least one block on x and z: a request's new length is written even when D = 0
+        # or the stack holds no layers)
+        grid = (max(math.ceil(sz.D / COMMIT_THREADS), 1), sz.bs, max(cache.shape[0], 1))
         launch(_commit_kv_kernel, grid, COMMIT_THREADS, stream)(cache, *args, new_prefix)
     if host_cache is not None:                      # numpy in: write the result back
         host_cache.view(np.uint16 if host_cache.dtype.itemsize == 2 else host_cache.dtype)[
