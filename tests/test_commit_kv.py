@@ -76,12 +76,17 @@ def test_stacked_layers_commit_as_each_layer_alone(seed, dtype):
         np.testing.assert_array_equal(host_values(new), prefix + lens + 1)
 
 
-def test_a_stack_of_no_layers_still_gives_the_new_lengths():
-    rng = np.random.default_rng(0)
+def two_requests():
+    """A small case: request 0 accepts nodes 1 and 3 after an empty prefix, request 1 nothing
+    after 5 rows (new lengths 3 and 6)."""
     prefix = np.array([0, 5], np.int32)
-    cache, table = paged_cache(rng, 2, prefix, 4, page_size=2, D=3)
+    cache, table = paged_cache(np.random.default_rng(0), 2, prefix, 4, page_size=2, D=3)
     nodes = np.array([[0, 1, 3, -1], [0, -1, -1, -1]], np.int32)
-    lens = np.array([2, 0], np.int32)
+    return cache, table, prefix, nodes, np.array([2, 0], np.int32)
+
+
+def test_a_stack_of_no_layers_still_gives_the_new_lengths():
+    cache, table, prefix, nodes, lens = two_requests()
     empty = np.zeros((0, *cache.shape), np.float32)
     for impl in (ref.commit_kv, K.commit_kv):
         new = impl(empty, table, prefix, nodes, lens)
@@ -112,11 +117,7 @@ def test_more_stacked_layers_than_a_grid_holds_are_refused_by_name():
 
 
 def test_out_must_not_be_prefix_lens_and_zero_width_rows_still_give_lengths():
-    rng = np.random.default_rng(0)
-    prefix = np.array([0, 5], np.int32)
-    cache, table = paged_cache(rng, 2, prefix, 4, page_size=2, D=3)
-    nodes = np.array([[0, 1, 3, -1], [0, -1, -1, -1]], np.int32)
-    lens = np.array([2, 0], np.int32)
+    cache, table, prefix, nodes, lens = two_requests()
     d_prefix = K.as_device(prefix)
     with pytest.raises(ValueError, match="out: expected a buffer of its own"):
         K.commit_kv(K.as_device(cache), table, d_prefix, nodes, lens, out=d_prefix)
