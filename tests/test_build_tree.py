@@ -192,7 +192,7 @@ def assert_trees_equal(got: DraftTree, want: DraftTree):
 
 
 def kernel_variants():
-    return ["scan"] if K.SIMULATOR else ["scan", "warp"]
+    return ["scan", "levels"] if K.SIMULATOR else ["scan", "warp", "levels"]
 
 
 @pytest.mark.parametrize("seed", range(120))
@@ -239,8 +239,9 @@ def test_kernel_accepts_device_arrays_and_fills_preallocated_outputs():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["warp", "levels"])
 @pytest.mark.parametrize("seed", range(200))
-def test_warp_kernel_bit_exact_at_real_sizes(seed):
+def test_fast_kernels_bit_exact_at_real_sizes(seed, variant):
     rng = np.random.default_rng(5000 + seed)
     bs = int(rng.integers(1, 17))
     L = int(rng.integers(1, 33))
@@ -252,7 +253,7 @@ def test_warp_kernel_bit_exact_at_real_sizes(seed):
     prefix = rng.integers(0, 4096, bs).astype(np.int32)
     want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
     assert_trees_equal(K.build_tree(lp, ids, roots, budget, prefix_lens=prefix,
-                                    variant="warp"), want)
+                                    variant=variant), want)
 
 
 @pytest.mark.gpu
