@@ -3,7 +3,8 @@
 Configurations: bs in {1, 8, 64}, budget in {64, 256, 1024}, L = 15, K = min(budget, 1024).
 Inputs are the top-K of random drafter logits (scaled so the drafter is fairly confident).
 
-* ``gpu_warp``: the kernel (select + finish launches), device time of a graph replay.
+* ``gpu_warp``: the kernel (select + finish launches), device time of a graph replay;
+  ``levels_select_us``: the select phase of the ``"levels"`` variant alone (checked exact).
 * ``numpy_ref``: reference.build_tree, plus the copies a CPU path needs (top-K device -> host,
   the tree's arrays host -> device), wall clock.
 * ``python_heap``: a per-request Python heap, the way published DDTree ports build the tree on
@@ -83,6 +84,11 @@ def main(quick: bool = False):
             gpu = bench.time_device(launch, reps=30)
             select = bench.time_device(
                 lambda: kbt.launch_select("warp", d_lp, budget, out, scratch), reps=30)
+            levels = bench.time_device(
+                lambda: kbt.launch_select("levels", d_lp, budget, out, scratch), reps=30)
+            levels_exact = bool((out.parents.copy_to_host()[:, : budget + 1] ==
+                                 ref.build_tree(lp, ids, roots, budget,
+                                                prefix_lens=prefix).parents).all())
             host = bench.time_host(launch, reps=10, sync=False)
             cp.cuda.Device().synchronize()
             want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
@@ -107,13 +113,15 @@ def main(quick: bool = False):
             pops = float(want.num_nodes.max() - 1)
             bench.add(bs=bs, budget=budget, L=L, K=Kk, gpu_us=gpu["ms"] * 1e3,
                       select_us=select["ms"] * 1e3, finish_us=(gpu["ms"] - select["ms"]) * 1e3,
+                      levels_select_us=levels["ms"] * 1e3, levels_exact=levels_exact,
                       ns_per_pop=select["ms"] * 1e6 / max(pops, 1),
                       gpu_us_min=gpu["ms_min"] * 1e3, host_launch_us=host["ms"] * 1e3,
                       numpy_ref_us=np_t["ms"] * 1e3, python_heap_us=heap_t["ms"] * 1e3,
                       speedup_vs_heap=heap_t["ms"] / gpu["ms"], bit_exact=exact,
                       mean_nodes=float(want.num_nodes.mean()))
     path = bench.write_csv()
-    print_table(bench.rows, ["bs", "budget", "K", "gpu_us", "select_us", "finish_us",
+    print_table(bench.rows, ["bs", "budget", "K", "gpu_us", "select_us", "levels_select_us",
+                             "levels_exact", "finish_us",
                              "ns_per_pop", "host_launch_us", "numpy_ref_us",
                              "python_heap_us", "speedup_vs_heap", "bit_exact"],
                 f"build_tree on {bench.gpu}, {bench.date} (device time: graph replay median)")
