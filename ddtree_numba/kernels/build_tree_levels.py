@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from numba import cuda, float32, int16, int32, uint32, uint64
 
-from ._device import SIMULATOR
+from ._device import SIMULATOR, kernel_for_block
 from ._primitives import bitonic_sort_desc, block_inclusive_scan, float_of_key, key_of_float
 
 NODE_CAPACITY = 1056                # as build_tree: N <= 1056
@@ -106,7 +106,7 @@ def _scan_owned(values, n, scratch, tid, T):
     return total
 
 
-@cuda.jit
+@kernel_for_block(LEVEL_THREADS)     # 1024 threads fit only at <= 64 registers each
 def _select_levels_kernel(lp, budget, parents, depths, log_weights, next_token, next_sibling,
                           ranks, num_nodes):
     """Grid ``(bs,)``, block ``(LEVEL_THREADS,)``; the node table of request ``b``."""
