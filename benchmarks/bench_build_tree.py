@@ -13,6 +13,7 @@ Inputs are the top-K of random drafter logits (scaled so the drafter is fairly c
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import importlib
 import sys
@@ -59,6 +60,13 @@ def python_heap_tree(lp: np.ndarray, ids: np.ndarray, roots: np.ndarray, budget:
     return parents, tokens, depths, mask
 
 
+def same_tree(got, want) -> bool:
+    """Every field of a device tree equals the reference's, bit for bit."""
+    got = got.to_host()
+    return all(np.array_equal(getattr(got, f.name), getattr(want, f.name))
+               for f in dataclasses.fields(want))
+
+
 def main(quick: bool = False):
     bench = Bench("build_tree")
     rng = np.random.default_rng(0)
@@ -86,9 +94,12 @@ def main(quick: bool = False):
                 lambda: kbt.launch_select("warp", d_lp, budget, out, scratch), reps=30)
             levels = bench.time_device(
                 lambda: kbt.launch_select("levels", d_lp, budget, out, scratch), reps=30)
-            levels_exact = bool((out.parents.copy_to_host()[:, : budget + 1] ==
-                                 ref.build_tree(lp, ids, roots, budget,
-                                                prefix_lens=prefix).parents).all())
+            # the levels select, then the finish, against the reference: every field
+            kbt.launch_select("levels", d_lp, budget, out, scratch)
+            kbt.launch_finish(d_ids, d_roots, d_prefix, True, out, scratch)
+            cp.cuda.Device().synchronize()
+            levels_exact = same_tree(out, ref.build_tree(lp, ids, roots, budget,
+                                                         prefix_lens=prefix))
             host = bench.time_host(launch, reps=10, sync=False)
             cp.cuda.Device().synchronize()
             want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)

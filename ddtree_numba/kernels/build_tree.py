@@ -441,6 +441,10 @@ def build_tree(top_log_probs, top_token_ids, root_token_ids, budget, *, prefix_l
 
 def launch_select(variant: str, lp, budget: int, tree: DraftTree, ranks) -> None:
     """Launch the selection kernel alone (validated device inputs; used by the benchmarks)."""
+    N = tree.parents.shape[1]
+    if not 0 <= budget < N <= NODE_CAPACITY:       # the kernels' shared and local arrays
+        raise ValueError(f"budget: expected 0 <= budget < N <= {NODE_CAPACITY} (N = {N}), "
+                         f"got {budget}")
     bs = lp.shape[0]
     node_table = (tree.parents, tree.depths, tree.log_weights, tree.next_token,
                   tree.next_sibling, ranks, tree.num_nodes)

@@ -45,6 +45,10 @@ LEVEL_THREADS = 32 if SIMULATOR else 1024
 G_PER_THREAD = -(-NODE_CAPACITY // LEVEL_THREADS)      # G elements a thread holds in a merge
 C_PER_THREAD = CHUNK // LEVEL_THREADS                  # chunk elements a thread holds
 HELD = G_PER_THREAD + C_PER_THREAD                      # a merge's elements per thread
+# What the arrays and key fields above assume (a change to one constant must keep them true)
+assert CHUNK % LEVEL_THREADS == 0 and CHUNK & (CHUNK - 1) == 0 and CHUNK <= CAND_CAP
+assert CAND_CAP >= NODE_CAPACITY and LEVEL_THREADS * G_PER_THREAD >= NODE_CAPACITY
+assert NODE_CAPACITY <= 2048                            # a rank field of 11 bits
 LOW = uint64(0xFFFFFFFF)
 NEG_INF = float32(-float("inf"))
 
@@ -104,6 +108,22 @@ def _scan_owned(values, n, scratch, tid, T):
         values[i] = before
     cuda.syncthreads()                      # the sums are in place before anyone reads them
     return total
+
+
+@cuda.jit(device=True, inline=True)
+def _node_fields(key, depth, node, L, K):
+    """``(parent, depth, rank)`` of tree node ``node`` (G's element ``node - 1``). Valid input
+    always gives ``0 <= parent < node``, ``1 <= depth <= L`` and ``0 <= rank < K``; only
+    unchecked input that breaks the rules (a log-prob > 0) can break them, and then the node
+    hangs under the root as its first child: the tree is wrong, but the child lists and the
+    finish kernel (which walks parents to the root and reads ``top_token_ids[b, depth - 1,
+    rank]``) stay in bounds and terminate."""
+    parent = _parent(key) + 1
+    rank = _rank(key)
+    d = int32(depth)
+    if 0 <= parent < node and 1 <= d <= L and 0 <= rank < K:
+        return parent, d, rank
+    return int32(0), int32(1), int32(0)
 
 
 @kernel_for_block(LEVEL_THREADS)     # 1024 threads fit only at <= 64 registers each
@@ -211,7 +231,10 @@ def _select_levels_kernel(lp, budget, parents, depths, log_weights, next_token, 
                 key = g_key[i]
                 pp = _parent(key)
                 if pp >= 0:
-                    g_key[i] = _pack(_score(key), newpos[pp], _rank(key))
+                    # newpos[pp] < 0 (a parent the merge dropped) needs a log-prob > 0, which
+                    # the checks refuse; unchecked, the node then hangs under the root: the
+                    # tree is wrong, but every index stays in bounds
+                    g_key[i] = _pack(_score(key), max(newpos[pp], 0), _rank(key))
             for u in range(tid, P, T):
                 if plist[u] >= 0:
                     plist[u] = newpos[plist[u]]
@@ -245,10 +268,11 @@ def _select_levels_kernel(lp, budget, parents, depths, log_weights, next_token, 
             ranks[b, 0] = -1
         elif i <= n:
             key = g_key[i - 1]
-            parents[b, i] = _parent(key) + 1
-            depths[b, i] = g_depth[i - 1]
+            parent, depth, rank = _node_fields(key, g_depth[i - 1], i, L, K)
+            parents[b, i] = parent
+            depths[b, i] = depth
             log_weights[b, i] = _score(key)
-            ranks[b, i] = _rank(key)
+            ranks[b, i] = rank
         else:
             parents[b, i] = -1
             depths[b, i] = -1
@@ -260,9 +284,9 @@ def _select_levels_kernel(lp, budget, parents, depths, log_weights, next_token, 
     for i in range(tid, n2, T):                            # (parent node, rank, node)
         cand[i] = uint64(0)
         if i < n:
-            key = g_key[i]
-            cand[i] = ((uint64(_parent(key) + 1) << uint64(32)) | (uint64(_rank(key))
-                       << uint64(16)) | uint64(i + 1))
+            parent, _, rank = _node_fields(g_key[i], g_depth[i], i + 1, L, K)
+            cand[i] = ((uint64(parent) << uint64(32)) | (uint64(rank) << uint64(16))
+                       | uint64(i + 1))
     cuda.syncthreads()                                     # pairs in place before sorting
     bitonic_sort_desc(cand, n2, tid, T)
     for j in range(tid, n, T):                             # descending: rank r + 1 before r
