@@ -22,8 +22,8 @@ from ddtree_numba.step.ops import HostStepOps, KernelStepOps
 
 #: method -> (numpy twin, kernel) backends
 BACKENDS = {
-    **dict.fromkeys(("embed", "rms_norm", "linear", "rope", "kv_write", "silu_mul"),
-                    (HostDenseOps, KernelDenseOps)),
+    **dict.fromkeys(("embed", "rms_norm", "linear", "rope", "kv_write", "silu_mul",
+                     "add_scaled"), (HostDenseOps, KernelDenseOps)),
     "draft": (HostDraftOps, KernelDraftOps),
     **dict.fromkeys(("argmax", "advance"), (HostStepOps, KernelStepOps)),
 }
@@ -126,6 +126,44 @@ def test_silu_mul(rng):
     gate_up = rng.standard_normal((3, 10)).astype(np.float32)
     [(want, got)] = run_both("silu_mul", gate_up, np.empty((3, 5), np.float32), outputs=[1])
     close(want, got)
+
+
+def test_add_scaled_adds_only_the_rows_with_a_weight(rng):
+    """``out[t] += weights[t, e] y[t]``; a zero weight adds nothing, not even ``0 * inf``."""
+    y = rng.standard_normal((6, 7)).astype(np.float32)
+    y[2, 3] = np.inf                                         # row 2 has weight 0 below
+    weights = rng.standard_normal((6, 4)).astype(np.float32)
+    weights[[1, 2], 2] = 0
+    out = rng.standard_normal((6, 7)).astype(np.float32)
+    [(want, got)] = run_both("add_scaled", y, weights, 2, out.copy(), outputs=[3])
+    close(want, got)
+    np.testing.assert_array_equal(got[[1, 2]], out[[1, 2]])
+    close(out + weights[:, 2:3] * np.where(np.isinf(y), 0, y), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+@pytest.mark.parametrize("groups,residual", [(1, None), (2, "same"), (3, "other")])
+def test_cublas_linear_equals_the_twin(rng, weights, groups, residual):
+    """The DeepSeek-V3 target's GPU backend: one cuBLAS call per grouped product, float32 or
+    bfloat16 weights (the inputs then rounded to bfloat16 on both sides), the residual the
+    output buffer itself or another."""
+    from ddtree_numba.models.cublas_ops import CublasDenseOps
+
+    T, d_in, d_out = 19, 40, 24
+    x = rng.standard_normal((T, groups * d_in)).astype(np.float32)
+    w = rng.standard_normal((groups, d_in, d_out)).astype(np.float32)
+    if weights == "bfloat16":
+        w = w.astype(ml_dtypes.bfloat16).view(np.uint16)
+    start = rng.standard_normal((T, groups * d_out)).astype(np.float32)
+    extra = rng.standard_normal((T, groups * d_out)).astype(np.float32)
+    want = start.copy()
+    HostDenseOps().linear(x, w, want, None if residual is None else
+                          (want if residual == "same" else extra))
+    out = as_device(start)
+    res = {None: None, "same": out, "other": as_device(extra)}[residual]
+    CublasDenseOps().linear(as_device(x), as_device(w), out, res)
+    close(want, out.copy_to_host())
 
 
 def test_argmax_first_index_on_ties_and_minus_one_on_padding(rng):

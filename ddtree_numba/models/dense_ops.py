@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import math
 
+import ml_dtypes
 import numpy as np
 from numba import cuda, float32, float64
 from numba.types import float16
@@ -193,6 +194,17 @@ def _silu_mul_kernel(gate_up, out):
         out[t, f] = g / (float32(1) + math.exp(-g)) * gate_up[t, width + f]
 
 
+@cuda.jit
+def _add_scaled_kernel(y, weights, column, out):
+    """``out[t] += weights[t, column] * y[t]`` where that weight is not zero (a token routed
+    elsewhere adds nothing, not even ``0 * inf``). One block per row."""
+    t = cuda.blockIdx.x
+    w = weights[t, column]
+    if w != float32(0):
+        for col in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
+            out[t, col] += w * y[t, col]
+
+
 # -- the two backends ------------------------------------------------------------------------
 
 class KernelDenseOps:
@@ -231,6 +243,11 @@ class KernelDenseOps:
     def silu_mul(self, gate_up, out):
         launch(_silu_mul_kernel, out.shape[0], ROW_THREADS, launch_stream())(gate_up, out)
 
+    def add_scaled(self, y, weights, column, out):
+        """``out[t] += weights[t, column] * y[t]`` for the rows whose weight is not zero."""
+        launch(_add_scaled_kernel, out.shape[0], ROW_THREADS, launch_stream())(
+            y, weights, np.int32(column), out)
+
 class HostDenseOps:
     """The same operations in numpy float32, in place on numpy arrays or on the simulator's
     device arrays (the twins that the kernels are tested against)."""
@@ -248,6 +265,9 @@ class HostDenseOps:
 
     def linear(self, x, w, out, residual=None):
         x, w, o = host_view(x), host_view(w), host_view(out)
+        if w.dtype == np.uint16:            # bfloat16 weights: the inputs rounded to bfloat16
+            x = x.astype(ml_dtypes.bfloat16).astype(np.float32)     # too, as on cuBLAS
+            w = w.view(ml_dtypes.bfloat16).astype(np.float32)
         groups, d_in, d_out = w.shape
         y = np.einsum("tgk,gko->tgo", x.reshape(len(x), groups, d_in), w).reshape(len(x), -1)
         o[:] = y if residual is None else y + host_view(residual)
@@ -274,6 +294,11 @@ class HostDenseOps:
         gu, o = host_view(gate_up), host_view(out)
         g, u = gu[:, : o.shape[1]], gu[:, o.shape[1]:]
         o[:] = g / (np.float32(1) + np.exp(-g)) * u
+
+    def add_scaled(self, y, weights, column, out):
+        w, o = host_view(weights)[:, column], host_view(out)
+        rows = w != 0
+        o[rows] += w[rows, None] * host_view(y)[rows]
 
 def _rotate_host(pairs, positions, inv_freq):
     """In place: rotate ``pairs [T, G, Dr/2, 2]`` by ``positions[t] * inv_freq`` (float64)."""
@@ -312,4 +337,6 @@ def build_specs():
           for kind, cache in (("float32", types.float32), ("bfloat16", types.uint16),
                               ("float16", types.float16))),
         KernelSpec("dense_ops", "silu_mul", _silu_mul_kernel, (f2, f2), ROW_THREADS, True),
+        KernelSpec("dense_ops", "add_scaled", _add_scaled_kernel, (f2, f2, types.int32, f2),
+                   ROW_THREADS, True),
     ]
