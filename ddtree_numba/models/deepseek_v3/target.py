@@ -108,7 +108,7 @@ class DeepseekV3Target:
         return as_device(np.asarray(tensors[name], np.float32))
 
     def _matrix(self, weight, groups=1):
-        """A ``Linear`` weight ``[out, in]`` (float64 numpy) as ``[1, in, out]``, or an already
+        """A ``Linear`` weight ``[out, in]`` (float32 numpy) as ``[1, in, out]``, or an already
         grouped ``[G, Din, Dout]``, in the weight type."""
         w = np.ascontiguousarray(weight.T[None] if weight.ndim == 2 else weight,
                                  dtype=np.float32)
@@ -122,8 +122,8 @@ class DeepseekV3Target:
         H, dn, dr, dv, Dc = (c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim,
                              c.v_head_dim, c.kv_lora_rank)
 
-        def read(name):
-            return np.asarray(tensors[name], np.float64)
+        def read(name):                             # bfloat16 -> float32 is exact
+            return np.asarray(tensors[name], np.float32)
 
         def split_query(q):                         # [H (dn + dr), in] -> nope, rope parts
             q = q.reshape(H, dn + dr, -1)
@@ -210,6 +210,16 @@ class DeepseekV3Target:
     def kv_caches(self) -> list:
         return [self.kv_cache[layer] for layer in range(self.config.num_hidden_layers)]
 
+    def attend(self, layer: int, tree, block_table, prefix_lens) -> None:
+        """Layer ``layer``'s attention: ``o_latent = verify_attn(q_latent, q_pe, cache)``."""
+        c = self.config
+        bs, N = self.sizes
+        H, Dc, dr = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+        verify_attn(self.q_latent.reshape(bs, N, H, Dc), self.q_pe.reshape(bs, N, H, dr),
+                    self.kv_cache[layer], block_table, prefix_lens, tree.visibility_bits,
+                    tree.num_nodes, sm_scale=c.sm_scale, out=(self.o_latent, self.lse),
+                    variant=self.variant, workspace=self.workspace)
+
     def _mlp(self, weights, out):
         """``out += down(silu(gate(h)) * up(h))`` with ``weights = (gate_up, down)``."""
         gate_up, down = weights
@@ -241,7 +251,7 @@ class DeepseekV3Target:
         layer at slot ``P + j``. No host synchronisation on a GPU; every buffer preallocated."""
         c, ops = self.config, self.ops
         bs, N = self.sizes
-        T, H, Dc, dr = bs * N, c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim
+        T, H, Dc = bs * N, c.num_attention_heads, c.kv_lora_rank
         eps, lora_eps = c.rms_norm_eps, ref.LORA_NORM_EPS
         positions = tree.positions.reshape(T)
         ops.embed(tree.token_ids.reshape(T), self.embed, self.x)
@@ -259,10 +269,7 @@ class DeepseekV3Target:
             ops.linear(self.h, w["kv_a"], self.kv)
             ops.kv_write(self.kv, w["kv_norm"], self.inv_freq, tree.positions, tree.num_nodes,
                          prefix_lens, block_table, self.kv_cache[layer], lora_eps)
-            verify_attn(self.q_latent.reshape(bs, N, H, Dc), self.q_pe.reshape(bs, N, H, dr),
-                        self.kv_cache[layer], block_table, prefix_lens, tree.visibility_bits,
-                        tree.num_nodes, sm_scale=c.sm_scale, out=(self.o_latent, self.lse),
-                        variant=self.variant, workspace=self.workspace)
+            self.attend(layer, tree, block_table, prefix_lens)
             ops.linear(self.o_latent.reshape(T, H * Dc), w["w_uv"], self.o)  # absorb W_UV
             ops.linear(self.o, w["o"], self.x, residual=self.x)
             ops.rms_norm(self.x, w["ffn_norm"], self.h, eps)
