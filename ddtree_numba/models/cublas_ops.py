@@ -3,8 +3,9 @@ the DeepSeek-V3 target.
 
 :class:`CublasDenseOps` is :class:`~ddtree_numba.models.dense_ops.KernelDenseOps` (the small
 numba kernels for embedding, RMSNorm, RoPE, the cache write, SiLU and the routed sums) with
-``linear`` replaced by one cuBLAS call: ``cublasGemmStridedBatchedEx`` over the groups (heads)
-of a grouped product, float32 accumulation. Weights are float32, or bfloat16 (``uint16`` bits);
+``linear`` (and ``linear_batched``, the experts of a MoE layer) replaced by one cuBLAS call:
+``cublasGemmStridedBatchedEx`` over the groups (heads) of a grouped product or over the experts,
+float32 accumulation. Weights are float32, or bfloat16 (``uint16`` bits);
 with bfloat16 weights the activations are rounded to bfloat16 first (a numba kernel, into a
 scratch buffer), as a bfloat16 model's are, and the product is bf16 x bf16 -> float32 on the
 tensor cores. Every call goes to the package's current stream (:func:`kernels.use_stream`),
@@ -72,22 +73,20 @@ class CublasDenseOps(KernelDenseOps):
         launch(_round_to_bf16_kernel, x.shape[0], ROW_THREADS, launch_stream())(x, out)
         return out
 
-    def linear(self, x, w, out, residual=None):
-        """``out = x @ w (+ residual)``; ``w`` is ``[G, Din, Dout]``, float32 or bfloat16 bits."""
-        groups, d_in, d_out = w.shape
-        T = x.shape[0]
+    def _inputs(self, x, w):
+        """``(x, cuBLAS data type)``: ``x`` as is for float32 weights, rounded to bfloat16 bits
+        for bfloat16 ones."""
         if w.dtype == np.uint16:
-            x, data_type = self._as_bf16(x), CUDA_R_16BF
-        elif w.dtype == np.float32:
-            data_type = CUDA_R_32F
-        else:
-            raise TypeError(f"w: expected float32 or bfloat16 bits (uint16), got {w.dtype}")
-        beta = self._zero
-        if residual is not None:
-            if data_address(residual) != data_address(out):
-                out.copy_to_device(residual, stream=launch_stream())
-            beta = self._one                                # out = x @ w + out
-        if T == 0 or d_out == 0:
+            return self._as_bf16(x.reshape(-1, x.shape[-1])), CUDA_R_16BF
+        if w.dtype == np.float32:
+            return x, CUDA_R_32F
+        raise TypeError(f"w: expected float32 or bfloat16 bits (uint16), got {w.dtype}")
+
+    def _gemm(self, m, n, k, w, lda, stride_w, x, data_type, ldb, stride_x, beta, out, ldc,
+              stride_out, batch):
+        """One ``cublasGemmStridedBatchedEx`` (column-major, no transposes) on the package's
+        current stream: ``out_i = w_i x_i (+ out_i)``, float32 accumulation and output."""
+        if m == 0 or n == 0 or batch == 0:
             return
         cp, cublas = self._cupy, self._cublas
         stream = int(launch_stream())
@@ -96,13 +95,34 @@ class CublasDenseOps(KernelDenseOps):
             handle = cp.cuda.device.get_cublas_handle()
             cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
             cublas.gemmStridedBatchedEx(
-                handle, CUBLAS_OP_N, CUBLAS_OP_N, d_out, T, d_in,
-                self._one.ctypes.data,
-                data_address(w), data_type, d_out, d_in * d_out,
-                data_address(x), data_type, groups * d_in, d_in,
-                beta.ctypes.data,
-                data_address(out), CUDA_R_32F, groups * d_out, d_out,
-                groups, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+                handle, CUBLAS_OP_N, CUBLAS_OP_N, m, n, k, self._one.ctypes.data,
+                data_address(w), data_type, lda, stride_w,
+                data_address(x), data_type, ldb, stride_x,
+                beta.ctypes.data, data_address(out), CUDA_R_32F, ldc, stride_out,
+                batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+
+    def linear(self, x, w, out, residual=None):
+        """``out = x @ w (+ residual)``; ``w`` is ``[G, Din, Dout]``, float32 or bfloat16 bits:
+        one product per group, batched (strides in the module docstring)."""
+        groups, d_in, d_out = w.shape
+        x, data_type = self._inputs(x, w)
+        beta = self._zero
+        if residual is not None:
+            if data_address(residual) != data_address(out):
+                out.copy_to_device(residual, stream=launch_stream())
+            beta = self._one                                # out = x @ w + out
+        self._gemm(d_out, x.shape[0], d_in, w, d_out, d_in * d_out, x, data_type,
+                   groups * d_in, d_in, beta, out, groups * d_out, d_out, groups)
+
+    def linear_batched(self, x, w, out):
+        """``out[e] = x[e] @ w[e]`` for ``w [E, Din, Dout]``, ``out [E, T, Dout]``; a 2-D ``x``
+        is shared by every ``e`` (batch stride 0: the experts of a MoE layer on one input)."""
+        experts, d_in, d_out = w.shape
+        T = out.shape[1]
+        shared = x.ndim == 2
+        x, data_type = self._inputs(x, w)
+        self._gemm(d_out, T, d_in, w, d_out, d_in * d_out, x, data_type, d_in,
+                   0 if shared else T * d_in, self._zero, out, d_out, T * d_out, experts)
 
 
 def build_specs():

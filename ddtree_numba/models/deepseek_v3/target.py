@@ -30,11 +30,14 @@ folded into the weights that produce the rotated parts (the rope rows of the que
 the rope columns of ``kv_a``).
 
 MoE, the simple version: the router (:mod:`~ddtree_numba.models.deepseek_v3.routing`) writes
-a dense ``[T, E]`` weight matrix, zero where a token did not choose an expert, and every expert
-runs on every token, its output added with that weight. Every launch then has the same shape
-whatever the routing (a CUDA graph needs that), at ``E / k`` times the expert FLOPs of a
-gathered MoE; at the small ``T`` of decoding the experts' weights are read in full either way,
-which is what bounds a step there.
+a dense ``[T, E]`` weight matrix, zero where a token did not choose an expert; every expert
+runs on every token (two batched products over the stacked experts' weights, ``[E, T, F]`` in
+between), and each token sums the outputs of its chosen experts with their weights. Every
+launch has the same shape whatever the routing (a CUDA graph needs that), at ``E / k`` times
+the expert FLOPs of a gathered MoE; at the small ``T`` of decoding the experts' weights are
+read in full either way, which is what bounds a step there. Memory: ``E T (3 F + D)`` float32
+activations, shared by the layers (3.3 GB at Moonlight's sizes and ``T = 2056``: bs 8, budget
+256).
 """
 
 from __future__ import annotations
@@ -130,10 +133,19 @@ class DeepseekV3Target:
             return (self._matrix(q[:, :dn].reshape(H * dn, -1)),
                     self._matrix(q[:, dn:].reshape(H * dr, -1) * attention_factor))
 
+        def gate_up_down(prefix):                   # [2F, D] (gate rows, then up), [D, F]
+            return (np.concatenate([read(f"{prefix}.gate_proj.weight"),
+                                    read(f"{prefix}.up_proj.weight")]),
+                    read(f"{prefix}.down_proj.weight"))
+
         def mlp(prefix):                            # gate and up side by side: one product
-            gate_up = np.concatenate([read(f"{prefix}.gate_proj.weight"),
-                                      read(f"{prefix}.up_proj.weight")])
-            return self._matrix(gate_up), self._matrix(read(f"{prefix}.down_proj.weight"))
+            gate_up, down = gate_up_down(prefix)
+            return self._matrix(gate_up), self._matrix(down)
+
+        def experts(prefix):                        # every expert's, stacked: [E, D, 2F], [E, F, D]
+            pairs = [gate_up_down(f"{prefix}.{e}") for e in range(c.n_routed_experts)]
+            return (self._matrix(np.stack([gate_up.T for gate_up, _ in pairs])),
+                    self._matrix(np.stack([down.T for _, down in pairs])))
 
         self.embed = as_device(np.asarray(tensors["model.embed_tokens.weight"], np.float32))
         self.final_norm = self._vector(tensors, "model.norm.weight")
@@ -163,7 +175,7 @@ class DeepseekV3Target:
                 w["router"] = as_device(np.ascontiguousarray(
                     read(f"{p}.mlp.gate.weight").T[None], np.float32))     # float32 always
                 w["bias"] = self._vector(tensors, f"{p}.mlp.gate.e_score_correction_bias")
-                w["experts"] = [mlp(f"{p}.mlp.experts.{e}") for e in range(c.n_routed_experts)]
+                w["experts"] = experts(f"{p}.mlp.experts")
                 w["shared"] = mlp(f"{p}.mlp.shared_experts") if c.n_shared_experts else None
             else:
                 w["mlp"] = mlp(f"{p}.mlp")
@@ -190,16 +202,16 @@ class DeepseekV3Target:
         self.kv = empty(T, c.row_width)
         self.o_latent, self.lse = empty(bs, N, H, Dc), empty(bs, N, H)
         self.o = empty(T, H * c.v_head_dim)
-        widths = set()                      # the MLP widths: dense, shared experts, experts
+        widths = set()                      # the MLP widths: dense layers, shared experts
         if any(not c.is_moe_layer(layer) for layer in range(c.num_hidden_layers)):
             widths.add(c.intermediate_size)
         if c.n_routed_experts:
-            widths.add(c.moe_intermediate_size)
             if c.n_shared_experts:
                 widths.add(c.moe_intermediate_size * c.n_shared_experts)
-            self.router_logits = empty(T, c.n_routed_experts)
-            self.route_weights = empty(T, c.n_routed_experts)
-            self.expert_out = empty(T, c.hidden_size)
+            E, f = c.n_routed_experts, c.moe_intermediate_size
+            self.router_logits, self.route_weights = empty(T, E), empty(T, E)
+            self.expert_gate_up = empty(E, T, 2 * f)        # every expert on every token
+            self.expert_act, self.expert_out = empty(E, T, f), empty(E, T, c.hidden_size)
         self.gate_up = {f: empty(T, 2 * f) for f in widths}
         self.act = {f: empty(T, f) for f in widths}
         self.logits = empty(T, c.vocab_size)
@@ -229,7 +241,8 @@ class DeepseekV3Target:
         self.ops.linear(self.act[f], down, out, residual=out)
 
     def _moe(self, w):
-        """The routed experts, each on every token with its routing weight, then the shared."""
+        """The routed experts, each on every token (three batched products over the experts),
+        summed with the routing weights; then the shared experts."""
         ops, c = self.ops, self.config
         ops.linear(self.h, w["router"], self.router_logits)
         if ops.name == "numpy":             # the simulator's backend: the twin, on host views
@@ -237,12 +250,13 @@ class DeepseekV3Target:
                        host_view(self.route_weights))
         else:
             route_kernel(self.router_logits, w["bias"], c, self.route_weights)
-        f = c.moe_intermediate_size
-        for e, (gate_up, down) in enumerate(w["experts"]):
-            ops.linear(self.h, gate_up, self.gate_up[f])
-            ops.silu_mul(self.gate_up[f], self.act[f])
-            ops.linear(self.act[f], down, self.expert_out)
-            ops.add_scaled(self.expert_out, self.route_weights, e, self.x)
+        gate_up, down = w["experts"]
+        E, T, f = self.expert_act.shape
+        ops.linear_batched(self.h, gate_up, self.expert_gate_up)
+        ops.silu_mul(self.expert_gate_up.reshape(E * T, 2 * f),
+                     self.expert_act.reshape(E * T, f))
+        ops.linear_batched(self.expert_act, down, self.expert_out)
+        ops.add_routed(self.expert_out, self.route_weights, self.x)
         if w["shared"] is not None:
             self._mlp(w["shared"], self.x)
 
