@@ -12,6 +12,7 @@ Per ``(bs, budget)``, in one run:
 * ``plain_us_per_token``: one-token decoding (budget 0, graph mode) of the same target, device
   time per step (events), so per token per request;
 * ``eager_device_us`` / ``graph_device_us``: a DDTree step, device time (events, median);
+  ``launches``: the numba kernels of one eager step (the cuBLAS calls not counted);
   ``tokens_per_step``: tokens emitted per request per step (the drafter follows the plain
   decoding 80 % of the time, L 8, K 8);
 * ``speedup``: ``tokens_per_step * plain_us_per_token / graph_device_us``;
@@ -108,8 +109,8 @@ def main(layers: int = 4, quick: bool = False):
         row = {"bs": bs, "budget": budget, "layers": layers, "L": L, "K": TOPK,
                "plain_us_per_token": plain_us}
         for mode in ("eager", "graph"):
-            step = make_step(target, continuation, bs=bs, budget=budget, steps=STEPS + 2,
-                             mode=mode)
+            step = make_step(target, continuation, bs=bs, budget=budget, steps=STEPS + 3,
+                             mode=mode)             # + 3: warm-up, timed, the launch count
             _, device_us = time_steps(step, starts, STEPS)
             row[f"{mode}_device_us"] = device_us
             if mode == "eager":

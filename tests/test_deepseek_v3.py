@@ -320,11 +320,17 @@ def test_router_kernel_twin_and_reference_choose_alike(normalise):
             assert (np.nonzero(twin[0])[0] == np.arange(6)).all()
 
 
-def test_router_refuses_more_experts_than_its_masks():
-    from ddtree_numba.models.deepseek_v3.routing import MAX_EXPERTS, check_routing
+@pytest.mark.parametrize("change, message", [
+    ({"E": 1024, "groups": 8}, "n_routed_experts, n_group: the device router holds"),
+    ({"E": 32, "groups": 32, "kept": 8}, "n_group: expected groups of two or more"),
+    ({"E": 60, "groups": 8}, "n_group: expected groups of two or more"),
+    ({"E": 64, "groups": 8, "kept": 1, "k": 9}, "num_experts_per_tok, topk_group"),
+    ({"E": 64, "groups": 8, "kept": 9}, "num_experts_per_tok, topk_group")])
+def test_router_refuses_configs_it_cannot_follow(change, message):
+    from ddtree_numba.models.deepseek_v3.routing import check_routing
 
-    with pytest.raises(ValueError, match="n_routed_experts, n_group"):
-        check_routing(_router_config(E=2 * MAX_EXPERTS, groups=8))
+    with pytest.raises(ValueError, match=message):
+        check_routing(_router_config(**change))
 
 
 @pytest.mark.parametrize("name, cache_dtype, budget", [

@@ -1,5 +1,5 @@
-"""The dense operations with every matrix product on cuBLAS (through CuPy): the GPU backend of
-the DeepSeek-V3 target.
+"""The dense operations with every matrix product on cuBLAS: the GPU backend of the DeepSeek-V3
+target.
 
 :class:`CublasDenseOps` is :class:`~ddtree_numba.models.dense_ops.KernelDenseOps` (the small
 numba kernels for embedding, RMSNorm, RoPE, the cache write, SiLU and the routed sums) with
@@ -8,7 +8,7 @@ numba kernels for embedding, RMSNorm, RoPE, the cache write, SiLU and the routed
 float32 accumulation. Weights are float32, or bfloat16 (``uint16`` bits);
 with bfloat16 weights the activations are rounded to bfloat16 first (a numba kernel, into a
 scratch buffer), as a bfloat16 model's are, and the product is bf16 x bf16 -> float32 on the
-tensor cores. Every call goes to the package's current stream (:func:`kernels.use_stream`),
+tensor cores. Every call goes to the package's current stream (``kernels.use_stream``),
 allocates nothing after the first eager call of each size, and can be captured in the step's
 CUDA graph.
 
@@ -21,6 +21,10 @@ T``, ``k = Din``, ``ldc = G Dout``, batch strides ``Din Dout`` (weights), ``Din`
 """
 
 from __future__ import annotations
+
+import ctypes
+import functools
+import weakref
 
 import numpy as np
 from numba import cuda
@@ -36,6 +40,39 @@ CUBLAS_COMPUTE_32F = 68
 CUBLAS_GEMM_DEFAULT = -1
 CUBLAS_OP_N = 0
 CUBLAS_POINTER_MODE_HOST = 0
+WORKSPACE_BYTES = 32 << 20      # cuBLAS's workspace, ours: nothing allocated during a capture
+
+
+@functools.cache
+def _cublas():
+    """libcublas through ctypes, found by ``cuda.pathfinder`` (the ``nvidia-cublas`` wheel of
+    the ``gpu`` extra, or the system's). Not CuPy's wrappers: they refuse to call cuBLAS while
+    a stream is being captured, which is how the step becomes one CUDA graph."""
+    from cuda.pathfinder import load_nvidia_dynamic_lib
+
+    lib = ctypes.CDLL(load_nvidia_dynamic_lib("cublas").abs_path)
+    i32, i64, p = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
+    signatures = {
+        "cublasCreate_v2": [ctypes.POINTER(p)],
+        "cublasDestroy_v2": [p],
+        "cublasSetPointerMode_v2": [p, i32],
+        "cublasSetWorkspace_v2": [p, p, ctypes.c_size_t],
+        "cublasSetStream_v2": [p, p],
+        "cublasGemmStridedBatchedEx": [p, i32, i32, i32, i32, i32,      # handle, ops, m n k
+                                       p, p, i32, i32, i64,              # alpha, A, type, ld, s
+                                       p, i32, i32, i64,                 # B, type, ld, stride
+                                       p, p, i32, i32, i64,              # beta, C, ...
+                                       i32, i32, i32],                   # batch, compute, algo
+    }
+    for name, argtypes in signatures.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, i32
+    return lib
+
+
+def _check(status: int, call: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{call} failed: cuBLAS status {status}")
 
 
 @cuda.jit
@@ -53,15 +90,21 @@ class CublasDenseOps(KernelDenseOps):
     name = "cublas"
 
     def __init__(self):
-        import cupy
-        try:
-            from cupy_backends.cuda.libs import cublas
-        except ImportError:                                 # CuPy's older layout
-            from cupy.cuda import cublas
-        self._cupy, self._cublas = cupy, cublas
-        self._one = np.ones(1, np.float32)                  # alpha, beta: host scalars
-        self._zero = np.zeros(1, np.float32)
-        self._bf16_scratch = {}                             # (T, width) -> uint16 buffer
+        cuda.current_context()                          # cuBLAS joins numba's (primary) context
+        self._lib = lib = _cublas()
+        self._handle = ctypes.c_void_p()
+        _check(lib.cublasCreate_v2(ctypes.byref(self._handle)), "cublasCreate")
+        weakref.finalize(self, lib.cublasDestroy_v2, self._handle)
+        _check(lib.cublasSetPointerMode_v2(self._handle, CUBLAS_POINTER_MODE_HOST),
+               "cublasSetPointerMode")
+        self._workspace = cuda.device_array(WORKSPACE_BYTES, np.uint8)
+        _check(lib.cublasSetWorkspace_v2(self._handle, data_address(self._workspace),
+                                         WORKSPACE_BYTES), "cublasSetWorkspace")
+        self._one = np.ones(1, np.float32)                  # alpha, beta: host scalars, read
+        self._zero = np.zeros(1, np.float32)                # when a call is made or captured
+        # (T, width) -> uint16 buffer. One per shape: graphs of the same shape share it, so
+        # they must replay one after another on one stream (as a step's do)
+        self._bf16_scratch = {}
 
     def _as_bf16(self, x):
         """``x`` rounded to bfloat16 bits, in a scratch buffer kept per shape (allocated on the
@@ -88,18 +131,16 @@ class CublasDenseOps(KernelDenseOps):
         current stream: ``out_i = w_i x_i (+ out_i)``, float32 accumulation and output."""
         if m == 0 or n == 0 or batch == 0:
             return
-        cp, cublas = self._cupy, self._cublas
-        stream = int(launch_stream())
-        # CuPy's wrappers point cuBLAS at CuPy's current stream: make that ours
-        with cp.cuda.ExternalStream(stream) if stream else cp.cuda.Stream.null:
-            handle = cp.cuda.device.get_cublas_handle()
-            cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)
-            cublas.gemmStridedBatchedEx(
-                handle, CUBLAS_OP_N, CUBLAS_OP_N, m, n, k, self._one.ctypes.data,
-                data_address(w), data_type, lda, stride_w,
-                data_address(x), data_type, ldb, stride_x,
-                beta.ctypes.data, data_address(out), CUDA_R_32F, ldc, stride_out,
-                batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+        lib, stream = self._lib, launch_stream()
+        # the package's current stream (0: the legacy default stream, NULL for cuBLAS)
+        _check(lib.cublasSetStream_v2(self._handle, int(stream) if stream != 0 else None),
+               "cublasSetStream")
+        _check(lib.cublasGemmStridedBatchedEx(
+            self._handle, CUBLAS_OP_N, CUBLAS_OP_N, m, n, k, self._one.ctypes.data,
+            data_address(w), data_type, lda, stride_w,
+            data_address(x), data_type, ldb, stride_x,
+            beta.ctypes.data, data_address(out), CUDA_R_32F, ldc, stride_out,
+            batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "cublasGemmStridedBatchedEx")
 
     def linear(self, x, w, out, residual=None):
         """``out = x @ w (+ residual)``; ``w`` is ``[G, Din, Dout]``, float32 or bfloat16 bits:

@@ -97,11 +97,21 @@ def _route_kernel(logits, bias, n_group, topk_group, top_k, normalise, scaling, 
 
 
 def check_routing(config) -> None:
-    """Refuse a config the kernel cannot route (more experts or groups than its masks)."""
+    """Refuse a config the router cannot follow: more experts or groups than its masks hold,
+    groups of unequal size or of one expert (a group's score is the sum of its two best),
+    or more experts a token than the kept groups hold."""
     E, G = config.n_routed_experts, config.n_group
+    k, kept = config.num_experts_per_tok, config.topk_group
     if E > MAX_EXPERTS or G > MAX_GROUPS:
         raise ValueError(f"n_routed_experts, n_group: the device router holds at most "
                          f"{MAX_EXPERTS} experts in {MAX_GROUPS} groups, got {E} in {G}")
+    if E % G or E // G < 2:
+        raise ValueError(f"n_group: expected groups of two or more experts each, {E} "
+                         f"experts in {G} groups")
+    if not 1 <= kept <= G or not 1 <= k <= kept * (E // G):
+        raise ValueError(f"num_experts_per_tok, topk_group: expected 1 <= topk_group <= "
+                         f"n_group and 1 <= k <= the kept groups' {kept * (E // G)} experts, "
+                         f"got k = {k}, topk_group = {kept}")
 
 
 def route_kernel(logits, bias, config, weights) -> None:
