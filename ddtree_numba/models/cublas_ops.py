@@ -50,7 +50,10 @@ def _cublas():
     a stream is being captured, which is how the step becomes one CUDA graph."""
     from cuda.pathfinder import load_nvidia_dynamic_lib
 
-    lib = ctypes.CDLL(load_nvidia_dynamic_lib("cublas").abs_path)
+    # pathfinder has opened the library: wrap its handle (the path is None when the system's
+    # loader found it by name)
+    loaded = load_nvidia_dynamic_lib("cublas")
+    lib = ctypes.CDLL(loaded.abs_path or "libcublas.so", handle=loaded._handle_uint)
     i32, i64, p = ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p
     signatures = {
         "cublasCreate_v2": [ctypes.POINTER(p)],
