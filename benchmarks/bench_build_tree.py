@@ -3,7 +3,8 @@
 Configurations: bs in {1, 8, 64}, budget in {64, 256, 1024}, L = 15, K = min(budget, 1024).
 Inputs are the top-K of random drafter logits (scaled so the drafter is fairly confident).
 
-* ``gpu_warp``: the kernel (select + finish launches), device time of a graph replay.
+* ``gpu_warp``: the kernel (select + finish launches), device time of a graph replay;
+  ``levels_select_us``: the select phase of the ``"levels"`` variant alone (checked exact).
 * ``numpy_ref``: reference.build_tree, plus the copies a CPU path needs (top-K device -> host,
   the tree's arrays host -> device), wall clock.
 * ``python_heap``: a per-request Python heap, the way published DDTree ports build the tree on
@@ -12,6 +13,7 @@ Inputs are the top-K of random drafter logits (scaled so the drafter is fairly c
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import importlib
 import sys
@@ -58,6 +60,13 @@ def python_heap_tree(lp: np.ndarray, ids: np.ndarray, roots: np.ndarray, budget:
     return parents, tokens, depths, mask
 
 
+def same_tree(got, want) -> bool:
+    """Every field of a device tree equals the reference's, bit for bit."""
+    got = got.to_host()
+    return all(np.array_equal(getattr(got, f.name), getattr(want, f.name))
+               for f in dataclasses.fields(want))
+
+
 def main(quick: bool = False):
     bench = Bench("build_tree")
     rng = np.random.default_rng(0)
@@ -83,6 +92,14 @@ def main(quick: bool = False):
             gpu = bench.time_device(launch, reps=30)
             select = bench.time_device(
                 lambda: kbt.launch_select("warp", d_lp, budget, out, scratch), reps=30)
+            levels = bench.time_device(
+                lambda: kbt.launch_select("levels", d_lp, budget, out, scratch), reps=30)
+            # the levels select, then the finish, against the reference: every field
+            kbt.launch_select("levels", d_lp, budget, out, scratch)
+            kbt.launch_finish(d_ids, d_roots, d_prefix, True, out, scratch)
+            cp.cuda.Device().synchronize()
+            levels_exact = same_tree(out, ref.build_tree(lp, ids, roots, budget,
+                                                         prefix_lens=prefix))
             host = bench.time_host(launch, reps=10, sync=False)
             cp.cuda.Device().synchronize()
             want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
@@ -107,13 +124,15 @@ def main(quick: bool = False):
             pops = float(want.num_nodes.max() - 1)
             bench.add(bs=bs, budget=budget, L=L, K=Kk, gpu_us=gpu["ms"] * 1e3,
                       select_us=select["ms"] * 1e3, finish_us=(gpu["ms"] - select["ms"]) * 1e3,
+                      levels_select_us=levels["ms"] * 1e3, levels_exact=levels_exact,
                       ns_per_pop=select["ms"] * 1e6 / max(pops, 1),
                       gpu_us_min=gpu["ms_min"] * 1e3, host_launch_us=host["ms"] * 1e3,
                       numpy_ref_us=np_t["ms"] * 1e3, python_heap_us=heap_t["ms"] * 1e3,
                       speedup_vs_heap=heap_t["ms"] / gpu["ms"], bit_exact=exact,
                       mean_nodes=float(want.num_nodes.mean()))
     path = bench.write_csv()
-    print_table(bench.rows, ["bs", "budget", "K", "gpu_us", "select_us", "finish_us",
+    print_table(bench.rows, ["bs", "budget", "K", "gpu_us", "select_us", "levels_select_us",
+                             "levels_exact", "finish_us",
                              "ns_per_pop", "host_launch_us", "numpy_ref_us",
                              "python_heap_us", "speedup_vs_heap", "bit_exact"],
                 f"build_tree on {bench.gpu}, {bench.date} (device time: graph replay median)")

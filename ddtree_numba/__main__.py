@@ -208,10 +208,6 @@ def _model_demo(args) -> int:
         raise CommandError(f"--topk: expected an int in [1, {min(MAX_K, config.vocab_size)}] "
                            f"(the model's vocabulary is {config.vocab_size}), got {args.topk}")
     backend = choose_backend()
-    if backend != "simulator":
-        raise CommandError("--model: the DeepSeek-V3 target's dense layers run in numpy on "
-                           "numba's CUDA simulator so far (the GPU backend is being written); "
-                           "run with DDTREE_BACKEND=simulator")
     from .step.demo import run_model_demo
 
     print(f"ddtree_numba demo on the {backend}\n")

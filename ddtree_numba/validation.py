@@ -546,10 +546,8 @@ def check_accept_commit(token_ids, next_token, next_sibling, target_predict, kv_
     infos = _require_tree_lists((("token_ids", token_ids), ("next_token", next_token),
                                  ("next_sibling", next_sibling),
                                  ("target_predict", target_predict)), sizes)
-    dims = ("num_pages", "page_size", "D")
-    if len(array_info("kv_cache", kv_cache).shape) == 4:
-        dims = ("layers", *dims)
-    infos += [require_array("kv_cache", kv_cache, (FLOAT32, BFLOAT16, FLOAT16), dims, sizes),
+    infos += [require_array("kv_cache", kv_cache, (FLOAT32, BFLOAT16, FLOAT16),
+                            kv_cache_dims(kv_cache), sizes),
               require_array("block_table", block_table, (INT32,), ("bs", "max_pages"), sizes),
               require_array("prefix_lens", prefix_lens, (INT32,), ("bs",), sizes)]
     require_page_size(infos[4], sizes)
@@ -651,14 +649,36 @@ class CommitSizes:
     D: int
 
 
+#: CUDA's limit on a grid's z extent: ``commit_kv`` launches one z-block per layer of a stack
+MAX_STACKED_LAYERS = 65535
+
+
+def kv_cache_dims(kv_cache) -> tuple:
+    """The axis names of a cache that commits accept: one layer ``[num_pages, page_size, D]``,
+    or all layers stacked, ``[layers, num_pages, page_size, D]`` (at most
+    ``MAX_STACKED_LAYERS``); any other rank is refused, naming ``kv_cache``."""
+    info = array_info("kv_cache", kv_cache)
+    dims = ("num_pages", "page_size", "D")
+    if len(info.shape) == 4:
+        if info.shape[0] > MAX_STACKED_LAYERS:
+            raise ValueError(f"kv_cache: expected at most {MAX_STACKED_LAYERS} stacked layers, "
+                             f"got {describe(info)}")
+        return ("layers", *dims)
+    if len(info.shape) != 3:
+        raise ValueError(f"kv_cache: expected rank 3 [num_pages, page_size, D] or rank 4 "
+                         f"[layers, num_pages, page_size, D], got {describe(info)}")
+    return dims
+
+
 def check_commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len, *,
                     check=None) -> CommitSizes:
-    """The accepted path starts at the root, strictly increases (so ``a_i >= i``: the moves
-    cannot overwrite a row still to be read), and ends after ``accept_len`` nodes."""
+    """``kv_cache`` one layer or all (:func:`kv_cache_dims`). The accepted path starts at the
+    root, strictly increases (so ``a_i >= i``: the moves cannot overwrite a row still to be
+    read), and ends after ``accept_len`` nodes."""
     sizes: dict = {}
     infos = [
         require_array("kv_cache", kv_cache, (FLOAT32, BFLOAT16, FLOAT16),
-                      ("num_pages", "page_size", "D"), sizes),
+                      kv_cache_dims(kv_cache), sizes),
         require_array("block_table", block_table, (INT32,), ("bs", "max_pages"), sizes),
         require_array("prefix_lens", prefix_lens, (INT32,), ("bs",), sizes),
         require_array("accept_nodes", accept_nodes, (INT32,), ("bs", "N"), sizes),

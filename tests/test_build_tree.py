@@ -192,7 +192,7 @@ def assert_trees_equal(got: DraftTree, want: DraftTree):
 
 
 def kernel_variants():
-    return ["scan"] if K.SIMULATOR else ["scan", "warp"]
+    return ["scan", "levels"] if K.SIMULATOR else ["scan", "warp", "levels"]
 
 
 @pytest.mark.parametrize("seed", range(120))
@@ -238,9 +238,38 @@ def test_kernel_accepts_device_arrays_and_fills_preallocated_outputs():
     assert_trees_equal(got, want)
 
 
+def test_levels_kernel_bit_exact_past_the_small_sizes():
+    """Ranks past 8, more than a chunk of candidates a round and a final sort of hundreds of
+    nodes: what the GPU's sizes exercise, on the simulator's small blocks."""
+    rng = np.random.default_rng(31)
+    lp, ids = random_topk(rng, 1, 4, 16, V=40, peaked=True)
+    roots, prefix = np.array([7], np.int32), np.array([100], np.int32)
+    want = ref.build_tree(lp, ids, roots, 100, prefix_lens=prefix)
+    assert want.num_nodes[0] == 101 and want.parents.max() > 0
+    assert_trees_equal(K.build_tree(lp, ids, roots, 100, prefix_lens=prefix,
+                                    variant="levels"), want)
+
+
+def test_levels_kernel_unchecked_positive_log_probs_stay_in_bounds():
+    """Log-probs > 0 (refused when checked) break the rule that a child scores no higher
+    than its parent; unchecked, the tree is wrong but no index leaves its array (the
+    simulator raises IndexError where a GPU would read or write out of bounds)."""
+    from numba import cuda
+
+    rng = np.random.default_rng(4)
+    lp, ids = random_topk(rng, 2, 5, 8, V=16)
+    lp = np.ascontiguousarray(-lp[..., ::-1]) + 1.0            # ascending and positive
+    roots, prefix = np.array([1, 2], np.int32), np.array([0, 9], np.int32)
+    tree = K.build_tree(cuda.to_device(lp), cuda.to_device(ids), cuda.to_device(roots), 20,
+                        prefix_lens=cuda.to_device(prefix), variant="levels")
+    parents = tree.parents.copy_to_host()
+    assert ((parents >= -1) & (parents < 21)).all()
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["warp", "levels"])
 @pytest.mark.parametrize("seed", range(200))
-def test_warp_kernel_bit_exact_at_real_sizes(seed):
+def test_fast_kernels_bit_exact_at_real_sizes(seed, variant):
     rng = np.random.default_rng(5000 + seed)
     bs = int(rng.integers(1, 17))
     L = int(rng.integers(1, 33))
@@ -252,7 +281,7 @@ def test_warp_kernel_bit_exact_at_real_sizes(seed):
     prefix = rng.integers(0, 4096, bs).astype(np.int32)
     want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
     assert_trees_equal(K.build_tree(lp, ids, roots, budget, prefix_lens=prefix,
-                                    variant="warp"), want)
+                                    variant=variant), want)
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
-"""commit_kv: paged cache, shuffled block table, pages crossed, k = 0, untouched rows."""
+"""commit_kv: paged cache, shuffled block table, pages crossed, k = 0, untouched rows; every
+layer of a stacked cache in one launch."""
 
 import numpy as np
 import pytest
@@ -7,6 +8,7 @@ from ml_dtypes import bfloat16
 
 from ddtree_numba import kernels as K
 from ddtree_numba import reference as ref
+from ddtree_numba.arrays import host_values
 
 
 def random_paths(rng, bs, N, max_k):
@@ -52,6 +54,78 @@ def test_reference_and_kernel(seed, dtype):
     new_k = K.commit_kv(got_k, table, prefix, nodes, lens)
     assert got_k.tobytes() == want.tobytes()
     np.testing.assert_array_equal(new_k.copy_to_host(), prefix + lens + 1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16])
+def test_stacked_layers_commit_as_each_layer_alone(seed, dtype):
+    """A ``[layers, num_pages, page_size, D]`` cache: the same moves in every layer, in one
+    launch, bit for bit what committing each layer's cache alone gives."""
+    rng = np.random.default_rng(100 + seed)
+    bs, N, layers = int(rng.integers(1, 4)), int(rng.integers(2, 20)), int(rng.integers(2, 4))
+    prefix = rng.integers(0, 20, bs).astype(np.int32)
+    cache, table = paged_cache(rng, bs, prefix, N, page_size=4, D=12, dtype=dtype)
+    stack = np.stack([cache] + [rng.standard_normal(cache.shape).astype(dtype)
+                                for _ in range(layers - 1)])
+    nodes, lens = random_paths(rng, bs, N, max_k=8)
+    want = np.stack([expected(layer, table, prefix, nodes, lens) for layer in stack])
+    for impl in (ref.commit_kv, K.commit_kv):
+        got = stack.copy()
+        new = impl(got, table, prefix, nodes, lens)
+        assert got.tobytes() == want.tobytes(), impl
+        np.testing.assert_array_equal(host_values(new), prefix + lens + 1)
+
+
+def two_requests():
+    """A small case: request 0 accepts nodes 1 and 3 after an empty prefix, request 1 nothing
+    after 5 rows (new lengths 3 and 6)."""
+    prefix = np.array([0, 5], np.int32)
+    cache, table = paged_cache(np.random.default_rng(0), 2, prefix, 4, page_size=2, D=3)
+    nodes = np.array([[0, 1, 3, -1], [0, -1, -1, -1]], np.int32)
+    return cache, table, prefix, nodes, np.array([2, 0], np.int32)
+
+
+def test_a_stack_of_no_layers_still_gives_the_new_lengths():
+    cache, table, prefix, nodes, lens = two_requests()
+    empty = np.zeros((0, *cache.shape), np.float32)
+    for impl in (ref.commit_kv, K.commit_kv):
+        new = impl(empty, table, prefix, nodes, lens)
+        assert host_values(new).tolist() == [3, 6]
+
+
+@pytest.mark.parametrize("shape", [(4, 12), (1, 1, 4, 2, 12)])
+def test_a_cache_of_another_rank_is_refused_by_name(shape):
+    rng = np.random.default_rng(0)
+    prefix = np.array([0], np.int32)
+    _, table = paged_cache(rng, 1, prefix, 3, page_size=2, D=12)
+    nodes, lens = np.array([[0, 1, -1]], np.int32), np.array([1], np.int32)
+    for impl in (ref.commit_kv, K.commit_kv):
+        with pytest.raises(ValueError, match=r"kv_cache: expected rank 3 .* or rank 4"):
+            impl(np.zeros(shape, np.float32), table, prefix, nodes, lens)
+
+
+def test_more_stacked_layers_than_a_grid_holds_are_refused_by_name():
+    from ddtree_numba.validation import MAX_STACKED_LAYERS
+
+    rng = np.random.default_rng(0)
+    prefix = np.array([0], np.int32)
+    _, table = paged_cache(rng, 1, prefix, 3, page_size=2, D=1)
+    nodes, lens = np.array([[0, 1, -1]], np.int32), np.array([1], np.int32)
+    huge = np.broadcast_to(np.zeros(1, np.float32), (MAX_STACKED_LAYERS + 1, 3, 2, 1))
+    with pytest.raises(ValueError, match="kv_cache: expected at most 65535 stacked layers"):
+        K.commit_kv(huge, table, prefix, nodes, lens)
+
+
+def test_out_must_not_be_prefix_lens_and_zero_width_rows_still_give_lengths():
+    cache, table, prefix, nodes, lens = two_requests()
+    d_prefix = K.as_device(prefix)
+    with pytest.raises(ValueError, match="out: expected a buffer of its own"):
+        K.commit_kv(K.as_device(cache), table, d_prefix, nodes, lens, out=d_prefix)
+    assert host_values(d_prefix).tolist() == [0, 5]                 # untouched
+    with pytest.raises(ValueError, match="out: expected"):
+        K.commit_kv(cache, table, prefix, nodes, lens, out=K.as_device(np.zeros(3, np.int32)))
+    narrow = np.zeros((cache.shape[0], cache.shape[1], 0), np.float32)
+    assert host_values(K.commit_kv(narrow, table, prefix, nodes, lens)).tolist() == [3, 6]
 
 
 def test_overlapping_moves_and_k0():

@@ -22,8 +22,8 @@ from ddtree_numba.step.ops import HostStepOps, KernelStepOps
 
 #: method -> (numpy twin, kernel) backends
 BACKENDS = {
-    **dict.fromkeys(("embed", "rms_norm", "linear", "rope", "kv_write", "silu_mul"),
-                    (HostDenseOps, KernelDenseOps)),
+    **dict.fromkeys(("embed", "rms_norm", "linear", "rope", "kv_write", "silu_mul",
+                     "linear_batched", "add_routed"), (HostDenseOps, KernelDenseOps)),
     "draft": (HostDraftOps, KernelDraftOps),
     **dict.fromkeys(("argmax", "advance"), (HostStepOps, KernelStepOps)),
 }
@@ -126,6 +126,77 @@ def test_silu_mul(rng):
     gate_up = rng.standard_normal((3, 10)).astype(np.float32)
     [(want, got)] = run_both("silu_mul", gate_up, np.empty((3, 5), np.float32), outputs=[1])
     close(want, got)
+
+
+def test_add_routed_sums_only_the_chosen_experts(rng):
+    """``out[t] += sum_e weights[t, e] y[e, t]``; a zero weight adds nothing, not even
+    ``0 * inf``."""
+    y = rng.standard_normal((4, 6, 7)).astype(np.float32)           # [E, T, D]
+    y[2, 3, 1] = np.inf                                              # (2, 3) has weight 0
+    weights = rng.standard_normal((6, 4)).astype(np.float32)
+    weights[3, 2] = weights[[1, 5]] = 0
+    out = rng.standard_normal((6, 7)).astype(np.float32)
+    [(want, got)] = run_both("add_routed", y, weights, out.copy(), outputs=[2])
+    close(want, got)
+    np.testing.assert_array_equal(got[[1, 5]], out[[1, 5]])
+    exact = out + np.einsum("te,etd->td", weights.astype(np.float64), np.where(np.isinf(y), 0, y))
+    close(exact, got)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_linear_batched_over_experts(rng, shared):
+    E, T, d_in, d_out = 3, 19, 21, 18
+    x = rng.standard_normal((T, d_in) if shared else (E, T, d_in)).astype(np.float32)
+    w = rng.standard_normal((E, d_in, d_out)).astype(np.float32)
+    [(want, got)] = run_both("linear_batched", x, w, np.empty((E, T, d_out), np.float32),
+                             outputs=[2])
+    close(want, got)
+    close(np.matmul(x.astype(np.float64), w), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+@pytest.mark.parametrize("groups,residual", [(1, None), (2, "same"), (3, "other")])
+def test_cublas_linear_equals_the_twin(rng, weights, groups, residual):
+    """The DeepSeek-V3 target's GPU backend: one cuBLAS call per grouped product, float32 or
+    bfloat16 weights (the inputs then rounded to bfloat16 on both sides), the residual the
+    output buffer itself or another."""
+    from ddtree_numba.models.cublas_ops import CublasDenseOps
+
+    T, d_in, d_out = 19, 40, 24
+    x = rng.standard_normal((T, groups * d_in)).astype(np.float32)
+    w = rng.standard_normal((groups, d_in, d_out)).astype(np.float32)
+    if weights == "bfloat16":
+        w = w.astype(ml_dtypes.bfloat16).view(np.uint16)
+    start = rng.standard_normal((T, groups * d_out)).astype(np.float32)
+    extra = rng.standard_normal((T, groups * d_out)).astype(np.float32)
+    want = start.copy()
+    HostDenseOps().linear(x, w, want, None if residual is None else
+                          (want if residual == "same" else extra))
+    out = as_device(start)
+    res = {None: None, "same": out, "other": as_device(extra)}[residual]
+    CublasDenseOps().linear(as_device(x), as_device(w), out, res)
+    close(want, out.copy_to_host())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_cublas_linear_batched_equals_the_twin(rng, weights, shared):
+    """The experts of a MoE layer in one batched cuBLAS call: one input for all (batch stride
+    0) or one each."""
+    from ddtree_numba.models.cublas_ops import CublasDenseOps
+
+    E, T, d_in, d_out = 5, 19, 40, 24
+    x = rng.standard_normal((T, d_in) if shared else (E, T, d_in)).astype(np.float32)
+    w = rng.standard_normal((E, d_in, d_out)).astype(np.float32)
+    if weights == "bfloat16":
+        w = w.astype(ml_dtypes.bfloat16).view(np.uint16)
+    want = np.full((E, T, d_out), np.nan, np.float32)
+    HostDenseOps().linear_batched(x, w, want)
+    out = as_device(np.full((E, T, d_out), np.nan, np.float32))
+    CublasDenseOps().linear_batched(as_device(x), as_device(w), out)
+    close(want, out.copy_to_host())
 
 
 def test_argmax_first_index_on_ties_and_minus_one_on_padding(rng):

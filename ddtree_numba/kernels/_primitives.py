@@ -173,3 +173,24 @@ def block_inclusive_scan(scratch, value, tid, T):
         cuda.syncthreads()                  # the step is complete before the next read
         offset *= 2
     return scratch[tid]
+
+
+@cuda.jit(device=True, inline=True)
+def bitonic_sort_desc(keys, n, tid, T):
+    """Sort ``keys[0:n]`` descending in place (``n`` a power of two; shared memory)."""
+    size = 2
+    while size <= n:
+        stride = size // 2
+        while stride > 0:
+            for i in range(tid, n, T):
+                j = i ^ stride
+                if j > i:
+                    descending = (i & size) == 0
+                    a = keys[i]
+                    b = keys[j]
+                    if (a < b) == descending:
+                        keys[i] = b
+                        keys[j] = a
+            cuda.syncthreads()              # this compare-exchange step done before the next
+            stride //= 2
+        size *= 2

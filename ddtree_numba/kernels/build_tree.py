@@ -401,6 +401,8 @@ def build_tree(top_log_probs, top_token_ids, root_token_ids, budget, *, prefix_l
         on for numpy inputs, off for device inputs (they would need a host copy).
     variant : str, optional
         ``"warp"`` (fast, GPU only) or ``"scan"`` (readable, simulator); default by platform.
+        ``"levels"``: the select level by level (:mod:`~ddtree_numba.kernels.build_tree_levels`;
+        not yet measured on a GPU).
     out : DraftTree, optional
         Preallocated device buffers (:func:`~ddtree_numba.kernels.allocate_tree`) to fill,
         e.g. for graph capture.
@@ -420,7 +422,8 @@ def build_tree(top_log_probs, top_token_ids, root_token_ids, budget, *, prefix_l
                          f"got {budget}")
     if sz.L > MAX_DEPTH:
         raise ValueError(f"top_log_probs: expected L <= {MAX_DEPTH}, got L = {sz.L}")
-    variant = resolve_variant(variant, readable="scan", fast="warp")
+    if variant != "levels":                         # (levels runs on both backends)
+        variant = resolve_variant(variant, readable="scan", fast="warp")
     lp = as_device(top_log_probs)
     ids = as_device(top_token_ids)
     roots = as_device(root_token_ids)
@@ -438,11 +441,20 @@ def build_tree(top_log_probs, top_token_ids, root_token_ids, budget, *, prefix_l
 
 def launch_select(variant: str, lp, budget: int, tree: DraftTree, ranks) -> None:
     """Launch the selection kernel alone (validated device inputs; used by the benchmarks)."""
+    N = tree.parents.shape[1]
+    if not 0 <= budget < N <= NODE_CAPACITY:       # the kernels' shared and local arrays
+        raise ValueError(f"budget: expected 0 <= budget < N <= {NODE_CAPACITY} (N = {N}), "
+                         f"got {budget}")
     bs = lp.shape[0]
     node_table = (tree.parents, tree.depths, tree.log_weights, tree.next_token,
                   tree.next_sibling, ranks, tree.num_nodes)
     if variant == "warp":
         launch(_select_warp_kernel, bs, SELECT_THREADS, launch_stream())(lp, budget, *node_table)
+    elif variant == "levels":
+        from .build_tree_levels import LEVEL_THREADS, _select_levels_kernel
+
+        launch(_select_levels_kernel, bs, LEVEL_THREADS, launch_stream())(lp, budget,
+                                                                           *node_table)
     else:
         launch(_select_scan_kernel, bs, 1, launch_stream())(lp, budget, *node_table)
 
@@ -462,6 +474,7 @@ def build_specs():
     from numba import types
 
     from ._specs import KernelSpec
+    from .build_tree_levels import LEVEL_THREADS, _select_levels_kernel
 
     i1, i2, i3 = types.int32[::1], types.int32[:, ::1], types.int32[:, :, ::1]
     select = (types.float32[:, :, ::1], types.int64, i2, i2, types.float32[:, ::1], i2, i2, i2,
@@ -471,5 +484,8 @@ def build_specs():
     return [
         KernelSpec("build_tree", "select scan", _select_scan_kernel, select, 1, False),
         KernelSpec("build_tree", "select warp", _select_warp_kernel, select, SELECT_THREADS, True),
+        # not "fast" yet: a merge holds its elements in a 64-byte local array (dynamic index)
+        KernelSpec("build_tree", "select levels", _select_levels_kernel, select, LEVEL_THREADS,
+                   False),
         KernelSpec("build_tree", "finish", _finish_kernel, finish, FINISH_THREADS, True),
     ]

@@ -10,8 +10,11 @@ column, in chunks of ``CHUNK = 8`` moves held in registers (reads of a chunk, th
 ascending order: still the sequential semantics). No two threads touch the same element, so
 no barrier is needed.
 
-Grid ``(ceil(D / COMMIT_THREADS), bs)``, block ``(COMMIT_THREADS,)``; ``k <= L`` in practice, so
-a thread moves a handful of elements; a warp moves 128 contiguous bytes of a row (fp32).
+Grid ``(ceil(D / COMMIT_THREADS), bs, layers)``, block ``(COMMIT_THREADS,)``: a stacked cache
+``[layers, num_pages, page_size, D]`` (every layer of a target in one array) commits all its
+layers in this one launch, the moves of each layer as above; a one-layer cache is a stack of
+one. ``k <= L`` in practice, so a thread moves a handful of elements; a warp moves 128
+contiguous bytes of a row (fp32).
 bfloat16 / float16 caches move as ``uint16`` bits (a copy needs no arithmetic).
 Addresses are bounds-checked (path node in ``[0, N)``, slot in ``[0, capacity)``, page in
 ``[0, num_pages)``), so unchecked device inputs cannot read or write out of bounds. Slots are
@@ -28,8 +31,9 @@ import math
 import numpy as np
 from numba import cuda, int32, int64
 
+from ..arrays import data_address
 from ..limits import MAX_POSITION
-from ..validation import check_commit_kv
+from ..validation import check_commit_kv, require_array
 from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream
 
 COMMIT_THREADS = 32 if SIMULATOR else 128
@@ -107,20 +111,24 @@ def valid_prefix(P, N):
 
 
 @cuda.jit
-def _commit_kv_kernel(kv_cache, block_table, prefix_lens, accept_nodes, accept_len,
+def _commit_kv_kernel(kv_layers, block_table, prefix_lens, accept_nodes, accept_len,
                       new_prefix_lens):
-    b = cuda.blockIdx.y
+    """Column ``col`` of layer ``blockIdx.z`` of request ``blockIdx.y``'s moved rows."""
+    b, layer = cuda.blockIdx.y, cuda.blockIdx.z
     col = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     N = accept_nodes.shape[1]
     P = int64(prefix_lens[b])                       # int64: P + a never wraps around
     k = min(max(accept_len[b], 0), N - 1)
+    writer = col == 0 and layer == 0                # one thread a request writes its length
     if not valid_prefix(P, N):                      # not a valid prefix: commit nothing
-        if col == 0:
+        if writer:
             new_prefix_lens[b] = P
         return
-    if col == 0:
+    if writer:
         new_prefix_lens[b] = P + k + 1              # <= P + N <= MAX_POSITION
-    if col < kv_cache.shape[2]:
+    # the grid has a layer even for a stack of none, whose requests still get their lengths
+    if layer < kv_layers.shape[0] and col < kv_layers.shape[3]:
+        kv_cache = kv_layers[layer]                 # [num_pages, page_size, D], a view
         paging = (block_table[b], int64(0), int64(block_table.shape[1]) * kv_cache.shape[1])
         commit_column(kv_cache, paging, accept_nodes[b], N, P, k, col)
 
@@ -132,8 +140,10 @@ def commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len, *, c
     Parameters
     ----------
     kv_cache : device array
-        ``float32|bfloat16|float16[num_pages, page_size, D]``, updated in place. A numpy cache
-        is copied to the device, updated there and copied back (for tests and the simulator).
+        ``float32|bfloat16|float16[num_pages, page_size, D]``, or every layer's cache in one
+        array, ``[layers, num_pages, page_size, D]`` (all layers in the same launch), updated
+        in place. A numpy cache is copied to the device, updated there and copied back (for
+        tests and the simulator).
     block_table, prefix_lens, accept_nodes, accept_len : array
         As in :func:`ddtree_numba.reference.commit_kv`.
     check : bool, optional
@@ -152,15 +162,26 @@ def commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len, *, c
     cache = as_device(kv_cache)
     if cache.dtype.itemsize == 2:
         cache = cache.view(np.uint16)               # bf16 / f16: move the bits
+    if cache.ndim == 3:
+        cache = cache.reshape(1, *cache.shape)      # one layer: a stack of one
     args = [as_device(a) for a in (block_table, prefix_lens, accept_nodes, accept_len)]
-    new_prefix = device_empty((sz.bs,), np.int32) if out is None else out
+    if out is None:
+        new_prefix = device_empty((sz.bs,), np.int32)
+    else:
+        require_array("out", out, (np.int32,), ("bs",), {"bs": sz.bs})
+        if data_address(out) == data_address(args[1]):
+            # other blocks still read prefix_lens[b] after its request's writer thread is done
+            raise ValueError("out: expected a buffer of its own, got prefix_lens itself")
+        new_prefix = out
     stream = launch_stream()
     if sz.bs:
-        grid = (math.ceil(sz.D / COMMIT_THREADS), sz.bs)
+        # (at least one block on x and z: a request's new length is written even when D = 0
+        # or the stack holds no layers)
+        grid = (max(math.ceil(sz.D / COMMIT_THREADS), 1), sz.bs, max(cache.shape[0], 1))
         launch(_commit_kv_kernel, grid, COMMIT_THREADS, stream)(cache, *args, new_prefix)
     if host_cache is not None:                      # numpy in: write the result back
         host_cache.view(np.uint16 if host_cache.dtype.itemsize == 2 else host_cache.dtype)[
-            ...] = cache.copy_to_host(stream=stream)
+            ...] = cache.copy_to_host(stream=stream).reshape(host_cache.shape)
     return new_prefix
 
 
@@ -173,6 +194,6 @@ def build_specs():
     i1, i2 = types.int32[::1], types.int32[:, ::1]
     return [
         KernelSpec("commit_kv", f"{name} cache", _commit_kv_kernel,
-                   (dtype[:, :, ::1], i2, i1, i2, i1, i1), COMMIT_THREADS, True)
+                   (dtype[:, :, :, ::1], i2, i1, i2, i1, i1), COMMIT_THREADS, True)
         for name, dtype in (("float32", types.float32), ("16-bit", types.uint16))
     ]

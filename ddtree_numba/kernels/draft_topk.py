@@ -63,6 +63,7 @@ from ..limits import MAX_K
 from ..validation import check_draft_topk, require_array, require_int
 from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream, sm_count
 from ._primitives import (
+    bitonic_sort_desc,
     bits_of_key,
     bits_to_float,
     block_inclusive_scan,
@@ -122,27 +123,6 @@ def _find_threshold_digit(hist, nbins, need, scratch, result, tid, T):
                     break
                 run += hist[d]
     cuda.syncthreads()                      # result visible to all threads
-
-
-@cuda.jit(device=True, inline=True)
-def _bitonic_sort_desc(keys, n, tid, T):
-    """Sort ``keys[0:n]`` descending in place (``n`` a power of two; shared memory)."""
-    size = 2
-    while size <= n:
-        stride = size // 2
-        while stride > 0:
-            for i in range(tid, n, T):
-                j = i ^ stride
-                if j > i:
-                    descending = (i & size) == 0
-                    a = keys[i]
-                    b = keys[j]
-                    if (a < b) == descending:
-                        keys[i] = b
-                        keys[j] = a
-            cuda.syncthreads()              # this compare-exchange step done before the next
-            stride //= 2
-        size *= 2
 
 
 # ------------------------------------------------------------------------------------------
@@ -271,7 +251,7 @@ def _make_topk_kernels(bf16: bool):
         for i in range(n + tid, n2, T):     # pad to a power of two with the smallest key
             cand[i] = uint64(0)
         cuda.syncthreads()                  # padding in place before sorting
-        _bitonic_sort_desc(cand, n2, tid, T)
+        bitonic_sort_desc(cand, n2, tid, T)
         return m, total, kk
 
     @cuda.jit
@@ -353,7 +333,7 @@ def _merge_kernel(part_keys, part_max, part_sum, k, top_log_probs, top_token_ids
                 total += part_sum[row_id, q] * math.exp(part_max[row_id, q] - big)
         stats[0] = big + math.log(total) if big > NEG_INF else NEG_INF
     cuda.syncthreads()                      # candidates and lse in place
-    _bitonic_sort_desc(cand, n2, tid, T)
+    bitonic_sort_desc(cand, n2, tid, T)
     _write_top(cand, k, stats[0], row_id, tid, T, top_log_probs, top_token_ids)
 
 

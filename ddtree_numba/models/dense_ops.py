@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import math
 
+import ml_dtypes
 import numpy as np
 from numba import cuda, float32, float64
 from numba.types import float16
@@ -193,6 +194,21 @@ def _silu_mul_kernel(gate_up, out):
         out[t, f] = g / (float32(1) + math.exp(-g)) * gate_up[t, width + f]
 
 
+@cuda.jit
+def _add_routed_kernel(y, weights, out):
+    """``out[t] += sum_e weights[t, e] * y[e, t]``, the experts in index order, those with a zero
+    weight skipped (a token routed elsewhere adds nothing, not even ``0 * inf``). One block per
+    row ``t``; thread ``tid`` owns columns ``tid, tid + blockDim, ...`` of it."""
+    t = cuda.blockIdx.x
+    for col in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
+        acc = float32(0)
+        for e in range(y.shape[0]):
+            w = weights[t, e]
+            if w != float32(0):
+                acc += w * y[e, t, col]
+        out[t, col] += acc
+
+
 # -- the two backends ------------------------------------------------------------------------
 
 class KernelDenseOps:
@@ -231,6 +247,16 @@ class KernelDenseOps:
     def silu_mul(self, gate_up, out):
         launch(_silu_mul_kernel, out.shape[0], ROW_THREADS, launch_stream())(gate_up, out)
 
+    def linear_batched(self, x, w, out):
+        """``out[e] = x[e] @ w[e]`` for ``w [E, Din, Dout]``, ``out [E, T, Dout]``; a 2-D ``x``
+        ``[T, Din]`` is every ``x[e]`` (the experts of a MoE layer on the same tokens)."""
+        for e in range(w.shape[0]):
+            self.linear(x if x.ndim == 2 else x[e], w[e:e + 1], out[e])
+
+    def add_routed(self, y, weights, out):
+        """``out[t] += sum_e weights[t, e] * y[e, t]`` (zero weights skipped)."""
+        launch(_add_routed_kernel, out.shape[0], ROW_THREADS, launch_stream())(y, weights, out)
+
 class HostDenseOps:
     """The same operations in numpy float32, in place on numpy arrays or on the simulator's
     device arrays (the twins that the kernels are tested against)."""
@@ -248,6 +274,9 @@ class HostDenseOps:
 
     def linear(self, x, w, out, residual=None):
         x, w, o = host_view(x), host_view(w), host_view(out)
+        if w.dtype == np.uint16:            # bfloat16 weights: the inputs rounded to bfloat16
+            x = x.astype(ml_dtypes.bfloat16).astype(np.float32)     # too, as on cuBLAS
+            w = w.view(ml_dtypes.bfloat16).astype(np.float32)
         groups, d_in, d_out = w.shape
         y = np.einsum("tgk,gko->tgo", x.reshape(len(x), groups, d_in), w).reshape(len(x), -1)
         o[:] = y if residual is None else y + host_view(residual)
@@ -274,6 +303,21 @@ class HostDenseOps:
         gu, o = host_view(gate_up), host_view(out)
         g, u = gu[:, : o.shape[1]], gu[:, o.shape[1]:]
         o[:] = g / (np.float32(1) + np.exp(-g)) * u
+
+    def linear_batched(self, x, w, out):
+        x, w, o = host_view(x), host_view(w), host_view(out)
+        if w.dtype == np.uint16:            # bfloat16 weights: inputs rounded as on cuBLAS
+            x = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+            w = w.view(ml_dtypes.bfloat16).astype(np.float32)
+        o[:] = np.matmul(x, w)              # [T, Din] broadcast, or [E, T, Din], @ [E, Din, Dout]
+
+    def add_routed(self, y, weights, out):
+        y, w, o = host_view(y), host_view(weights), host_view(out)
+        acc = np.zeros_like(o)
+        for e in range(len(y)):             # the kernel's order: experts by index
+            rows = w[:, e] != 0
+            acc[rows] += w[rows, e, None] * y[e, rows]
+        o += acc
 
 def _rotate_host(pairs, positions, inv_freq):
     """In place: rotate ``pairs [T, G, Dr/2, 2]`` by ``positions[t] * inv_freq`` (float64)."""
@@ -312,4 +356,6 @@ def build_specs():
           for kind, cache in (("float32", types.float32), ("bfloat16", types.uint16),
                               ("float16", types.float16))),
         KernelSpec("dense_ops", "silu_mul", _silu_mul_kernel, (f2, f2), ROW_THREADS, True),
+        KernelSpec("dense_ops", "add_routed", _add_routed_kernel, (f3, f2, f2), ROW_THREADS,
+                   True),
     ]

@@ -46,7 +46,9 @@ def commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len) -> n
     Parameters
     ----------
     kv_cache : numpy.ndarray
-        ``float32|bfloat16|float16[num_pages, page_size, D]``: modified in place.
+        ``float32|bfloat16|float16[num_pages, page_size, D]``, or every layer's cache stacked,
+        ``[layers, num_pages, page_size, D]`` (the same moves in each layer): modified in
+        place.
     block_table : numpy.ndarray
         ``int32[bs, max_pages]``.
     prefix_lens : numpy.ndarray
@@ -63,10 +65,12 @@ def commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len) -> n
     """
     sz = check_commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len,
                          check=True)
+    layers = kv_cache if kv_cache.ndim == 4 else kv_cache[None]     # [layers, pages, ps, D]
     for b in range(sz.bs):
         P, k = int(prefix_lens[b]), int(accept_len[b])
         src = P + accept_nodes[b, 1 : k + 1]                        # [k] slots read
         dst = P + np.arange(1, k + 1)                               # [k] slots written
-        rows = kv_cache[slot_address(block_table[b], sz.page_size, src)].copy()  # read all first
-        kv_cache[slot_address(block_table[b], sz.page_size, dst)] = rows
+        for cache in layers:                                        # views: writes land
+            rows = cache[slot_address(block_table[b], sz.page_size, src)].copy()  # read first
+            cache[slot_address(block_table[b], sz.page_size, dst)] = rows
     return (prefix_lens + accept_len + 1).astype(np.int32)

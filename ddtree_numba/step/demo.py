@@ -319,7 +319,8 @@ def run_model_demo(folder: str, *, bs=None, steps=None, L=None, k=None, budget=N
     future), and :class:`~ddtree_numba.GreedyStep` decodes the same requests on
     :class:`~ddtree_numba.models.deepseek_v3.target.DeepseekV3Target` (the absorbed form,
     attention by ``kernels.verify_attn``). Raises ``AssertionError`` unless the two emit the
-    same tokens. The target's dense layers run on numba's CUDA simulator (numpy) for now."""
+    same tokens. The target's dense layers run in numpy on numba's CUDA simulator and on
+    cuBLAS on a GPU."""
     from ..models.deepseek_v3 import Checkpoint
     from ..models.deepseek_v3.target import DeepseekV3Target, greedy
     from ..progress import Progress
@@ -337,12 +338,12 @@ def run_model_demo(folder: str, *, bs=None, steps=None, L=None, k=None, budget=N
         f"{c.qk_rope_head_dim}, {experts}, vocabulary {c.vocab_size}; {cache_dtype} cache; "
         f"bs {bs}, L {L}, K {k}, budget {budget}; drafter accuracy {accuracy}\n")
     t0 = time.perf_counter()
-    target = DeepseekV3Target(c, checkpoint, cache_dtype=cache_dtype)
     weights = {}                                # read once; both forwards use it
     with Progress("loading weights", len(checkpoint), progress_stream) as bar:
         for name in checkpoint:
-            weights[name] = target.w(name)
+            weights[name] = checkpoint[name]
             bar.advance()
+    target = DeepseekV3Target(c, weights, cache_dtype=cache_dtype)
     starts = np.random.default_rng(seed).integers(0, c.vocab_size, bs).astype(np.int32)
     length = steps * (min(L, budget) + 1)
     with Progress("reference greedy decoding", bs, progress_stream) as bar:

@@ -37,7 +37,7 @@ import numpy as np
 from numba import cuda
 
 from .. import kernels
-from ..arrays import data_address
+from ..arrays import array_info, data_address
 from ..interfaces import Drafter, Target
 from ..limits import (
     MAX_BATCH,
@@ -185,7 +185,10 @@ class GreedyStep:
                             self.target_predict, out=self.accept)
 
     def _commit_kv(self):
-        for cache in self.target.kv_caches():
+        # a stacked cache commits every layer in one launch (the sampled step, whose walk is
+        # its own kernel, commits this way), other targets' caches one launch each
+        stack = self.stacked_kv_cache
+        for cache in self.target.kv_caches() if stack is None else [stack]:
             kernels.commit_kv(cache, self.block_table, self.prefix_lens,
                               self.accept.accept_nodes, self.accept.accept_len,
                               out=self.new_prefix_lens)
@@ -288,15 +291,18 @@ def check_step_sizes(*, bs, L, K, budget, max_steps, vocab: int,
 
 
 def stacked_kv_cache(target: Target):
-    """``target.kv_cache`` when it is one ``[layers, num_pages, page_size, D]`` array whose
-    layers are exactly the caches that ``target.kv_caches()`` returns (same order, shapes,
-    strides and memory), else ``None``; a single cache is its own stack. With a stack the step
-    commits every layer in one ``accept_commit`` launch."""
+    """``target.kv_cache`` when it is one C-contiguous ``[layers, num_pages, page_size, D]``
+    array whose layers are exactly the caches that ``target.kv_caches()`` returns (same order,
+    shapes, strides and memory), else ``None``; a single cache is its own stack. With a stack
+    the step commits every layer in one launch (``accept_commit``, or ``commit_kv`` in the
+    sampled step)."""
     layers = list(target.kv_caches())
     if len(layers) == 1 and getattr(layers[0], "ndim", 0) == 3:
         return layers[0]
     stack = getattr(target, "kv_cache", None)
     if stack is None or getattr(stack, "ndim", 0) != 4 or stack.shape[0] != len(layers):
+        return None
+    if not array_info("kv_cache", stack).c_contiguous:   # the stacked launches need one block
         return None
     base = data_address(stack)
     for i, layer in enumerate(layers):

@@ -9,7 +9,8 @@ The greedy step with its last verification stages replaced::
     kernels.tree_sample_logits                  -> AcceptResult      (the target-only walk,
                                                    with each visited node's distribution:
                                                    temperature, top-k, top-p per request)
-    kernels.commit_kv, advance                  (as in the greedy step)
+    kernels.commit_kv, advance                  (as in the greedy step; a stacked cache
+                                                   commits every layer in one launch)
 
 The walk needs the distribution only at the nodes it visits (the accepted path: a few of the
 ``N``), so the step never writes the ``[bs, N, V]`` probabilities: ``tree_sample_logits``
@@ -102,7 +103,7 @@ class SampledStep(GreedyStep):
     def stages(self) -> list:
         """The greedy step's stages, with ``argmax`` and ``tree_accept`` replaced by
         ``sample_uniforms`` and ``tree_sample_logits`` (a fused ``accept_commit`` becomes
-        ``tree_sample_logits`` then ``commit_kv``)."""
+        ``tree_sample_logits`` then ``commit_kv``, one launch for the stacked cache)."""
         sample = ("tree_sample_logits", self._tree_sample_logits)
         replaced = {"argmax": [("sample_uniforms", self._sample_uniforms)],
                     "tree_accept": [sample],

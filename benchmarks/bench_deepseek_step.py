@@ -1,0 +1,140 @@
+"""Benchmark: the greedy DDTree step on the DeepSeek-V3 target at Moonlight-16B-A3B's layer
+sizes, bfloat16 weights and cache, against plain greedy decoding of the same model.
+
+The model: Moonlight-16B-A3B's per-layer dimensions (hidden 2048, 16 heads, MLA latent 512 +
+rope 64, nope 128, value 128, no query LoRA, 64 routed experts of width 1408 with 6 a token
+and 2 shared, sigmoid routing, the first layer dense with width 11264, vocabulary 163 840) with
+``--layers`` layers instead of 27 (default 4: one dense, three MoE; about 2.4 B parameters),
+random weights (``make_model``'s scales, so that logits have standard deviation ~4).
+
+Per ``(bs, budget)``, in one run:
+
+* ``plain_us_per_token``: one-token decoding (budget 0, graph mode) of the same target, device
+  time per step (events), so per token per request;
+* ``eager_device_us`` / ``graph_device_us``: a DDTree step, device time (events, median);
+  ``launches``: the numba kernels of one eager step (the cuBLAS calls not counted);
+  ``tokens_per_step``: tokens emitted per request per step (the drafter follows the plain
+  decoding 80 % of the time, L 8, K 8);
+* ``speedup``: ``tokens_per_step * plain_us_per_token / graph_device_us``;
+* ``agree``: the share of requests whose speculative tokens equal the plain decoding's over
+  their common length (bfloat16 rounds a tree forward and a one-token forward differently,
+  so near-ties can flip);
+* per stage (graph replay of each stage alone, no L2 flush): the drafter, draft_topk,
+  build_tree, target_forward (``attention_us``: the part spent in ``verify_attn``), argmax,
+  accept + commit.
+
+Writes ``$OUT/bench_deepseek_step.csv``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+from bench_step import count_launches, time_steps
+from harness import Bench, print_table
+
+from ddtree_numba import GreedyStep
+from ddtree_numba.models.deepseek_v3 import DeepseekV3Config
+from ddtree_numba.models.deepseek_v3.make_model import COMMON, random_tensor, tensor_shapes
+from ddtree_numba.models.deepseek_v3.target import DeepseekV3Target
+from ddtree_numba.models.toy_drafter import ToyDrafter
+
+MOONLIGHT_LAYER = dict(vocab_size=163840, hidden_size=2048, intermediate_size=11264,
+                       moe_intermediate_size=1408, first_k_dense_replace=1,
+                       num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None,
+                       kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                       v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6, n_group=1,
+                       topk_group=1, n_shared_experts=2, max_position_embeddings=8192,
+                       rope_theta=50000.0, rope_scaling=None)
+L, TOPK, STEPS = 8, 8, 8
+
+
+def random_model(layers: int, seed: int = 0):
+    """``(config, tensors)``: the model above with ``layers`` layers, weights in memory."""
+    fields = {**COMMON, **MOONLIGHT_LAYER, "num_hidden_layers": layers}
+    config = DeepseekV3Config.from_dict(fields)
+    rng = np.random.default_rng(seed)
+    tensors = {name: random_tensor(name, shape, fields["hidden_size"], rng)
+               for name, shape in tensor_shapes(fields).items()}
+    return config, tensors
+
+
+def make_step(target, continuation, *, bs, budget, steps, mode):
+    """A GreedyStep of at most ``steps`` steps after each ``start`` (``time_steps`` runs 2
+    warm-up steps, then the timed ones)."""
+    return GreedyStep(target, ToyDrafter(continuation, vocab=target.vocab, accuracy=0.8,
+                                         seed=0),
+                      bs=bs, L=L, K=TOPK, budget=budget, max_steps=steps, mode=mode)
+
+
+def stage_times(bench, step) -> dict:
+    """Device microseconds of each stage, captured alone and replayed (graph mode buffers)."""
+    times = {}
+    for name, launch in step.stages():
+        if name != "advance":   # appends tokens: replaying it would overrun the token buffer
+            times[name] = 1e3 * bench.time_device(launch, reps=20, flush=False)["ms"]
+
+    def attention():
+        for layer in range(step.target.config.num_hidden_layers):
+            step.target.attend(layer, step.tree, step.block_table, step.prefix_lens)
+
+    times["attention"] = 1e3 * bench.time_device(attention, reps=20, flush=False)["ms"]
+    return times
+
+
+def main(layers: int = 4, quick: bool = False):
+    bench = Bench("bench_deepseek_step")
+    t0 = time.perf_counter()
+    config, tensors = random_model(layers)
+    target = DeepseekV3Target(config, tensors, cache_dtype="bfloat16",
+                              weight_dtype="bfloat16")
+    del tensors
+    print(f"model: {layers} layers at Moonlight-16B-A3B's sizes, loaded in "
+          f"{time.perf_counter() - t0:.0f} s")
+    configs = [(1, 64)] if quick else [(1, 64), (1, 256), (8, 64)]
+    rng = np.random.default_rng(1)
+    for bs, budget in configs:
+        starts = rng.integers(0, config.vocab_size, bs).astype(np.int32)
+        plain_steps = (STEPS + 2) * (L + 1)         # as many tokens as the DDTree run can emit
+        plain = make_step(target, np.zeros((bs, 2), np.int32), bs=bs, budget=0,
+                          steps=plain_steps + 2, mode="graph")
+        _, plain_us = time_steps(plain, starts, plain_steps)
+        plain_tokens = plain.tokens()
+        continuation = np.zeros((bs, max(map(len, plain_tokens)) + 1), np.int32)
+        continuation[:, 0] = starts
+        for b in range(bs):
+            continuation[b, 1: len(plain_tokens[b]) + 1] = plain_tokens[b]
+        row = {"bs": bs, "budget": budget, "layers": layers, "L": L, "K": TOPK,
+               "plain_us_per_token": plain_us}
+        for mode in ("eager", "graph"):
+            step = make_step(target, continuation, bs=bs, budget=budget, steps=STEPS + 3,
+                             mode=mode)             # + 3: warm-up, timed, the launch count
+            _, device_us = time_steps(step, starts, STEPS)
+            row[f"{mode}_device_us"] = device_us
+            if mode == "eager":
+                row["launches"] = count_launches(step)
+            else:
+                tokens = step.tokens()
+                row["tokens_per_step"] = float(np.mean([len(t) for t in tokens])
+                                               / step.steps_done)
+                row["agree"] = float(np.mean([
+                    t[: len(p)] == p[: len(t)] for t, p in zip(tokens, plain_tokens,
+                                                                strict=True)]))
+                for name, us in stage_times(bench, step).items():
+                    row[f"{name}_us"] = us
+        row["speedup"] = row["tokens_per_step"] * plain_us / row["graph_device_us"]
+        bench.add(**row)
+        bench.write_csv()                           # incrementally: a timeout keeps the rest
+        print_table([row], list(row), f"bs {bs}, budget {budget}")
+    cols = ["bs", "budget", "launches", "plain_us_per_token", "eager_device_us",
+            "graph_device_us", "tokens_per_step", "speedup", "agree"]
+    print_table(bench.rows, cols, f"DeepSeek-V3 target ({layers} layers at Moonlight's sizes, "
+                f"bf16) on {bench.gpu}")
+    print("wrote", bench.write_csv())
+
+
+if __name__ == "__main__":
+    layers = [int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--layers=")]
+    main(layers=layers[0] if layers else 4, quick="--quick" in sys.argv)
