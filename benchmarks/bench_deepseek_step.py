@@ -10,7 +10,9 @@ random weights (``make_model``'s scales, so that logits have standard deviation 
 Per ``(bs, budget)``, in one run:
 
 * ``plain_us_per_token``: one-token decoding (budget 0, graph mode) of the same target, device
-  time per step (events), so per token per request;
+  time per step (events), so per token per request, with the MoE gathered (each token's chosen
+  experts only, as an engine decodes); ``plain_dense_moe_us``: the same with every expert on
+  every token (what the step's MoE does at a tree's token count);
 * ``eager_device_us`` / ``graph_device_us``: a DDTree step, device time (events, median);
   ``launches``: the numba kernels of one eager step (the cuBLAS calls not counted);
   ``tokens_per_step``: tokens emitted per request per step (the drafter follows the plain
@@ -23,7 +25,16 @@ Per ``(bs, budget)``, in one run:
   build_tree, target_forward (``attention_us``: the part spent in ``verify_attn``), argmax,
   accept + commit.
 
-Writes ``$OUT/bench_deepseek_step.csv``.
+Then the agreement study (``--agreement``, ``AGREE_BS`` prompts, budget 64, eager): where the
+step's tokens first differ from one-token decoding, and how close to a tie the one-token
+decoding's logits were there (``margin``: its best logit minus its second best), against the
+bfloat16 noise between the two forwards (``root_noise``: the largest difference between the
+root's logits in the tree forward and in the one-token forward, the same context both).
+
+``--agreement-float32`` runs the study alone on the same model with float32 weights and cache
+(the rounding then ~2^-24 instead of 2^-9: whether the differences come from rounding).
+
+Writes ``$OUT/bench_deepseek_step.csv`` and ``$OUT/deepseek_agreement[_float32].csv``.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ MOONLIGHT_LAYER = dict(vocab_size=163840, hidden_size=2048, intermediate_size=11
                        topk_group=1, n_shared_experts=2, max_position_embeddings=8192,
                        rope_theta=50000.0, rope_scaling=None)
 L, TOPK, STEPS = 8, 8, 8
+AGREE_BS, AGREE_STEPS, AGREE_BUDGET = 16, 12, 64
 
 
 def random_model(layers: int, seed: int = 0):
@@ -84,7 +96,53 @@ def stage_times(bench, step) -> dict:
     return times
 
 
-def main(layers: int = 4, quick: bool = False):
+def margins(logits) -> np.ndarray:
+    """Best minus second-best logit of each row."""
+    top2 = np.partition(logits, -2, axis=-1)[:, -2:]
+    return top2[:, 1] - top2[:, 0]
+
+
+def agreement(target, starts):
+    """Per request: the first token where the step (budget ``AGREE_BUDGET``) differs from
+    one-token decoding, the one-token decoding's margin there, and the root's noise."""
+    bs = len(starts)
+    plain = make_step(target, np.zeros((bs, 2), np.int32), bs=bs, budget=0,
+                      steps=AGREE_STEPS * (L + 1) + 2, mode="eager")
+    plain.start(starts)
+    plain_margins, root_plain = [], None
+    for _ in range(plain.max_steps):
+        plain()
+        logits = plain.target_logits.copy_to_host()                 # [bs, V]: N = 1
+        root_plain = logits if root_plain is None else root_plain
+        plain_margins.append(margins(logits))
+    plain_tokens, plain_margins = plain.tokens(), np.array(plain_margins).T   # [bs, steps]
+    continuation = np.zeros((bs, max(map(len, plain_tokens)) + 1), np.int32)
+    continuation[:, 0] = starts
+    for b in range(bs):
+        continuation[b, 1: len(plain_tokens[b]) + 1] = plain_tokens[b]
+    step = make_step(target, continuation, bs=bs, budget=AGREE_BUDGET, steps=AGREE_STEPS,
+                     mode="eager")
+    step.start(starts)
+    step()
+    N = AGREE_BUDGET + 1
+    root_tree = step.target_logits.copy_to_host().reshape(bs, N, -1)[:, 0]
+    for _ in range(AGREE_STEPS - 1):
+        step()
+    rows = []
+    for b, (spec, ref_tokens) in enumerate(zip(step.tokens(), plain_tokens, strict=True)):
+        n = min(len(spec), len(ref_tokens))
+        first = next((i for i in range(n) if spec[i] != ref_tokens[i]), None)
+        rows.append(dict(request=b, tokens_compared=n, first_difference=first,
+                         margin_there=None if first is None else float(plain_margins[b, first]),
+                         root_noise=float(np.abs(root_tree[b] - root_plain[b]).max()),
+                         median_margin=float(np.median(plain_margins[b, :n])),
+                         smallest_margin_before=float(plain_margins[b, :first if first
+                                                                     is not None else n].min())
+                         if first != 0 else None))
+    return rows
+
+
+def main(layers: int = 4, quick: bool = False, agree: bool = False):
     bench = Bench("bench_deepseek_step")
     t0 = time.perf_counter()
     config, tensors = random_model(layers)
@@ -98,6 +156,11 @@ def main(layers: int = 4, quick: bool = False):
     for bs, budget in configs:
         starts = rng.integers(0, config.vocab_size, bs).astype(np.int32)
         plain_steps = (STEPS + 2) * (L + 1)         # as many tokens as the DDTree run can emit
+        target.moe = "dense"
+        plain = make_step(target, np.zeros((bs, 2), np.int32), bs=bs, budget=0,
+                          steps=plain_steps + 2, mode="graph")
+        _, plain_dense_us = time_steps(plain, starts, plain_steps)
+        target.moe = "auto"                         # gathered at one token a request
         plain = make_step(target, np.zeros((bs, 2), np.int32), bs=bs, budget=0,
                           steps=plain_steps + 2, mode="graph")
         _, plain_us = time_steps(plain, starts, plain_steps)
@@ -107,7 +170,7 @@ def main(layers: int = 4, quick: bool = False):
         for b in range(bs):
             continuation[b, 1: len(plain_tokens[b]) + 1] = plain_tokens[b]
         row = {"bs": bs, "budget": budget, "layers": layers, "L": L, "K": TOPK,
-               "plain_us_per_token": plain_us}
+               "plain_us_per_token": plain_us, "plain_dense_moe_us": plain_dense_us}
         for mode in ("eager", "graph"):
             step = make_step(target, continuation, bs=bs, budget=budget, steps=STEPS + 3,
                              mode=mode)             # + 3: warm-up, timed, the launch count
@@ -128,13 +191,35 @@ def main(layers: int = 4, quick: bool = False):
         bench.add(**row)
         bench.write_csv()                           # incrementally: a timeout keeps the rest
         print_table([row], list(row), f"bs {bs}, budget {budget}")
-    cols = ["bs", "budget", "launches", "plain_us_per_token", "eager_device_us",
+    cols = ["bs", "budget", "launches", "plain_us_per_token", "plain_dense_moe_us",
+            "eager_device_us",
             "graph_device_us", "tokens_per_step", "speedup", "agree"]
     print_table(bench.rows, cols, f"DeepSeek-V3 target ({layers} layers at Moonlight's sizes, "
                 f"bf16) on {bench.gpu}")
     print("wrote", bench.write_csv())
+    if agree:
+        agreement_study(target, "bfloat16")
+
+
+def agreement_study(target, dtype: str):
+    """The agreement study on ``target`` (weights and cache in ``dtype``), to
+    ``$OUT/deepseek_agreement[_float32].csv``."""
+    study = Bench("deepseek_agreement" + ("" if dtype == "bfloat16" else f"_{dtype}"))
+    starts = np.random.default_rng(2).integers(0, target.vocab, AGREE_BS)
+    for row in agreement(target, starts.astype(np.int32)):
+        study.add(weights_and_cache=dtype, **row)
+    print_table(study.rows, list(study.rows[0])[3:],
+                f"Where the step (budget {AGREE_BUDGET}) first differs from one-token "
+                f"decoding ({dtype} weights and cache)")
+    print("wrote", study.write_csv())
 
 
 if __name__ == "__main__":
     layers = [int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--layers=")]
-    main(layers=layers[0] if layers else 4, quick="--quick" in sys.argv)
+    if "--agreement-float32" in sys.argv:      # the study alone, float32 weights and cache
+        config, tensors = random_model(layers[0] if layers else 4)
+        agreement_study(DeepseekV3Target(config, tensors, cache_dtype="float32",
+                                         weight_dtype="float32"), "float32")
+    else:
+        main(layers=layers[0] if layers else 4, quick="--quick" in sys.argv,
+             agree="--agreement" in sys.argv)

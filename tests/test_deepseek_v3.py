@@ -251,10 +251,12 @@ def chain_tree(tokens):
 
 @pytest.mark.parametrize("name", ["q_lora", "no_q_lora"])
 @pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])
-def test_absorbed_forward_equals_transformers(name, weight_dtype):
+@pytest.mark.parametrize("moe", ["dense", "gathered"])
+def test_absorbed_forward_equals_transformers(name, weight_dtype, moe):
     """The target's forward (absorbed MLA, the dense layers on this backend: numpy float32 on
-    the simulator, cuBLAS on a GPU; MoE by dense routing weights) over two causal chains of 12
-    tokens, in a shuffled paged cache, against transformers' logits.
+    the simulator, cuBLAS on a GPU; MoE over every expert or over each token's chosen ones)
+    over two causal chains of 12 tokens, in a shuffled paged cache, against transformers'
+    logits.
 
     Bounds: float32 weights, 5e-5 (transformers' own float32 steps give 3.8e-6, float32
     products over widths <= 128 about 1e-5; measured 1.1e-5). bfloat16 weights, 2 % of the
@@ -269,8 +271,9 @@ def test_absorbed_forward_equals_transformers(name, weight_dtype):
     ckpt = Checkpoint(folder)
     tokens = expected["input_ids"]
     bs, N = tokens.shape
-    target = DeepseekV3Target(ckpt.config, ckpt, weight_dtype=weight_dtype)
+    target = DeepseekV3Target(ckpt.config, ckpt, weight_dtype=weight_dtype, moe=moe)
     target.allocate(bs=bs, N=N, num_pages=8, page_size=4, max_pages=3)
+    assert target.gathered_moe == (moe == "gathered")
     table = np.array([[5, 0, 3], [1, 7, 2]], np.int32)                 # shuffled pages
     logits = target.forward(chain_tree(tokens), as_device(table),
                             as_device(np.zeros(bs, np.int32)))
@@ -306,18 +309,50 @@ def test_router_kernel_twin_and_reference_choose_alike(normalise):
         bias = (rng.standard_normal(64) * 0.1).astype(np.float32) if logits.any() else \
             np.zeros(64, np.float32)
         twin = np.full(logits.shape, np.nan, np.float32)
-        route_host(logits, bias, c, twin)
+        twin_experts = np.full((len(logits), c.num_experts_per_tok), -1, np.int32)
+        route_host(logits, bias, c, twin, twin_experts)
         kernel = as_device(np.full(logits.shape, np.nan, np.float32))
-        route_kernel(as_device(logits), as_device(bias), c, kernel)
-        kernel = host_values(kernel)
+        kernel_experts = as_device(twin_experts * 0 - 1)
+        route_kernel(as_device(logits), as_device(bias), c, kernel, kernel_experts)
+        kernel, kernel_experts = host_values(kernel), host_values(kernel_experts)
         experts, weights = ref.route(c, logits.astype(np.float64), bias.astype(np.float64))
         dense = np.zeros(logits.shape)
         np.put_along_axis(dense, experts, weights, axis=-1)
-        for got in (twin, kernel):
+        for got, got_experts in ((twin, twin_experts), (kernel, kernel_experts)):
             assert ((got != 0) == (dense != 0)).all()
             np.testing.assert_allclose(got, dense, rtol=2e-6, atol=0)
+            np.testing.assert_array_equal(got_experts, np.sort(experts, axis=-1))
         if not logits.any():                                 # ties: the lowest indices
             assert (np.nonzero(twin[0])[0] == np.arange(6)).all()
+
+
+def test_router_kernel_and_twin_rank_nan_last_and_break_ties_alike():
+    """A NaN logit ranks as -inf (never chosen while a finite candidate is left), infinite
+    logits saturate the sigmoid, whole groups tie: the kernel and its twin choose the same
+    experts in every row."""
+    from ddtree_numba.arrays import host_values
+    from ddtree_numba.kernels import as_device
+    from ddtree_numba.models.deepseek_v3.routing import route_host, route_kernel
+
+    c = _router_config()
+    rng = np.random.default_rng(5)
+    logits = np.round(rng.standard_normal((6, 64)), 1).astype(np.float32)   # many ties
+    logits[0, :8] = np.nan                                   # a whole group of NaN
+    logits[1, ::3] = np.inf
+    logits[2, 1::2] = -np.inf
+    logits[3] = 0
+    logits[4, 40:48] = np.nan
+    bias = np.zeros(64, np.float32)
+    twin_w = np.full((6, 64), np.nan, np.float32)
+    twin_e = np.full((6, c.num_experts_per_tok), -1, np.int32)
+    route_host(logits, bias, c, twin_w, twin_e)
+    kernel_w = as_device(twin_w.copy())
+    kernel_e = as_device(twin_e.copy())
+    route_kernel(as_device(logits), as_device(bias), c, kernel_w, kernel_e)
+    np.testing.assert_array_equal(host_values(kernel_e), twin_e)
+    np.testing.assert_allclose(host_values(kernel_w), twin_w, rtol=2e-6, atol=0)
+    assert not np.isin(twin_e[0], np.arange(8)).any()       # the NaN group: never chosen
+    np.testing.assert_array_equal(twin_e[3], np.arange(6))  # all tied: the lowest indices
 
 
 @pytest.mark.parametrize("change, message", [
@@ -425,6 +460,8 @@ def test_deepseek_v3_target_refuses_bad_arguments():
         DeepseekV3Target(ckpt.config, ckpt, cache_dtype="int8")
     with pytest.raises(ValueError, match="weight_dtype: expected one of"):
         DeepseekV3Target(ckpt.config, ckpt, weight_dtype="float16")
+    with pytest.raises(ValueError, match="moe: expected one of"):
+        DeepseekV3Target(ckpt.config, ckpt, moe="grouped")
 
 
 # -- make_model: random checkpoints written as Hugging Face would --------------------------------

@@ -23,7 +23,8 @@ from ddtree_numba.step.ops import HostStepOps, KernelStepOps
 #: method -> (numpy twin, kernel) backends
 BACKENDS = {
     **dict.fromkeys(("embed", "rms_norm", "linear", "rope", "kv_write", "silu_mul",
-                     "linear_batched", "add_routed"), (HostDenseOps, KernelDenseOps)),
+                     "linear_batched", "add_routed", "linear_gathered", "add_gathered"),
+                   (HostDenseOps, KernelDenseOps)),
     "draft": (HostDraftOps, KernelDraftOps),
     **dict.fromkeys(("argmax", "advance"), (HostStepOps, KernelStepOps)),
 }
@@ -154,6 +155,51 @@ def test_linear_batched_over_experts(rng, shared):
     close(np.matmul(x.astype(np.float64), w), got)
 
 
+def _chosen_experts(rng, T, E, k):
+    """``int32[T, k]``: ``k`` distinct experts a token, in increasing order (the router's)."""
+    return np.sort(np.array([rng.choice(E, k, replace=False) for _ in range(T)], np.int32),
+                   axis=-1)
+
+
+@pytest.mark.parametrize("per_pair", [False, True])
+def test_linear_gathered_reads_each_tokens_chosen_experts(rng, per_pair):
+    """Pair ``p = t k + s``: ``x``'s row ``t`` (or ``p``) times expert ``experts[t, s]``."""
+    E, T, k, d_in, d_out = 5, 7, 2, 21, 18
+    experts = _chosen_experts(rng, T, E, k)
+    x = rng.standard_normal((T * k if per_pair else T, d_in)).astype(np.float32)
+    w = rng.standard_normal((E, d_in, d_out)).astype(np.float32)
+    [(want, got)] = run_both("linear_gathered", x, w, experts,
+                             np.full((T * k, d_out), np.nan, np.float32), outputs=[3])
+    close(want, got)
+    rows = x if per_pair else np.repeat(x, k, axis=0)
+    exact = np.stack([rows[p].astype(np.float64) @ w[e] for p, e in
+                      enumerate(experts.reshape(-1))])
+    close(exact, got)
+
+
+def test_add_gathered_is_add_routed_over_the_chosen_pairs(rng):
+    """The same sums, in the same order, as ``add_routed`` over every expert with the dense
+    weights (bit for bit on both backends); a zero weight adds nothing, not even ``0 * inf``."""
+    E, T, k, D = 6, 5, 3, 7
+    experts = _chosen_experts(rng, T, E, k)
+    weights = np.zeros((T, E), np.float32)
+    np.put_along_axis(weights, experts, rng.random((T, k)).astype(np.float32) + 0.1, axis=-1)
+    weights[2, experts[2, 1]] = 0                            # chosen, but with weight 0
+    y_pairs = rng.standard_normal((T * k, D)).astype(np.float32)
+    y_pairs[2 * k + 1] = np.inf
+    y_dense = np.zeros((E, T, D), np.float32)               # the same outputs, per expert
+    for p, e in enumerate(experts.reshape(-1)):
+        y_dense[e, p // k] = y_pairs[p]
+    out = rng.standard_normal((T, D)).astype(np.float32)
+    [(want, got)] = run_both("add_gathered", y_pairs, experts, weights, out.copy(),
+                             outputs=[3])
+    [(dense_want, dense_got)] = run_both("add_routed", y_dense, weights, out.copy(),
+                                         outputs=[2])
+    np.testing.assert_array_equal(want, dense_want)
+    np.testing.assert_array_equal(got, dense_got)
+    assert np.isfinite(got).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("weights", ["float32", "bfloat16"])
 @pytest.mark.parametrize("groups,residual", [(1, None), (2, "same"), (3, "other")])
@@ -197,6 +243,29 @@ def test_cublas_linear_batched_equals_the_twin(rng, weights, shared):
     out = as_device(np.full((E, T, d_out), np.nan, np.float32))
     CublasDenseOps().linear_batched(as_device(x), as_device(w), out)
     close(want, out.copy_to_host())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+@pytest.mark.parametrize("per_pair", [False, True])
+def test_cublas_linear_gathered_equals_the_twin(rng, weights, per_pair):
+    """Each token's chosen experts in one cublasGemmBatchedEx, the matrix addresses written on
+    the device; called twice on one ops object with other experts, as a replayed graph is."""
+    from ddtree_numba.models.cublas_ops import CublasDenseOps
+
+    E, T, k, d_in, d_out = 6, 5, 3, 40, 24
+    w = rng.standard_normal((E, d_in, d_out)).astype(np.float32)
+    if weights == "bfloat16":
+        w = w.astype(ml_dtypes.bfloat16).view(np.uint16)
+    ops, d_w = CublasDenseOps(), as_device(w)
+    for _ in range(2):
+        experts = _chosen_experts(rng, T, E, k)
+        x = rng.standard_normal((T * k if per_pair else T, d_in)).astype(np.float32)
+        want = np.full((T * k, d_out), np.nan, np.float32)
+        HostDenseOps().linear_gathered(x, w, experts, want)
+        out = as_device(np.full((T * k, d_out), np.nan, np.float32))
+        ops.linear_gathered(as_device(x), d_w, as_device(experts), out)
+        close(want, out.copy_to_host())
 
 
 def test_argmax_first_index_on_ties_and_minus_one_on_padding(rng):

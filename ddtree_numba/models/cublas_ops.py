@@ -3,14 +3,17 @@ target.
 
 :class:`CublasDenseOps` is :class:`~ddtree_numba.models.dense_ops.KernelDenseOps` (the small
 numba kernels for embedding, RMSNorm, RoPE, the cache write, SiLU and the routed sums) with
-``linear`` (and ``linear_batched``, the experts of a MoE layer) replaced by one cuBLAS call:
+``linear`` (and ``linear_batched``, every expert of a MoE layer) replaced by one cuBLAS call:
 ``cublasGemmStridedBatchedEx`` over the groups (heads) of a grouped product or over the experts,
-float32 accumulation. Weights are float32, or bfloat16 (``uint16`` bits);
-with bfloat16 weights the activations are rounded to bfloat16 first (a numba kernel, into a
-scratch buffer), as a bfloat16 model's are, and the product is bf16 x bf16 -> float32 on the
-tensor cores. Every call goes to the package's current stream (``kernels.use_stream``),
-allocates nothing after the first eager call of each size, and can be captured in the step's
-CUDA graph.
+float32 accumulation; and ``linear_gathered`` (each token's chosen experts only) by one
+``cublasGemmBatchedEx``, whose arrays of matrix addresses a small kernel writes on the device
+from the router's choice, so that the call's shape stays fixed while the experts it reads change
+from step to step (a CUDA graph replays it as it is). Weights are float32, or bfloat16
+(``uint16`` bits); with bfloat16 weights the activations are rounded to bfloat16 first (a
+numba kernel, into a scratch buffer), as a bfloat16 model's are, and the product is bf16 x bf16
+-> float32 on the tensor cores. Every call goes to the package's current stream
+(``kernels.use_stream``), allocates nothing after the first eager call of each size, and can
+be captured in the step's CUDA graph.
 
 Row-major to cuBLAS's column-major: ``out[t, g Dout + o] = sum_k x[t, g Din + k] w[g, k, o]``.
 Read column-major, ``w[g]`` (row-major ``[Din, Dout]``) is ``W_g^T [Dout, Din]`` with leading
@@ -27,7 +30,7 @@ import functools
 import weakref
 
 import numpy as np
-from numba import cuda
+from numba import cuda, uint64
 
 from ..arrays import data_address
 from ..kernels._device import launch, launch_stream
@@ -66,6 +69,11 @@ def _cublas():
                                        p, i32, i32, i64,                 # B, type, ld, stride
                                        p, p, i32, i32, i64,              # beta, C, ...
                                        i32, i32, i32],                   # batch, compute, algo
+        "cublasGemmBatchedEx": [p, i32, i32, i32, i32, i32,             # handle, ops, m n k
+                                p, p, i32, i32,                          # alpha, A[], type, ld
+                                p, i32, i32,                             # B[], type, ld
+                                p, p, i32, i32,                          # beta, C[], type, ld
+                                i32, i32, i32],                          # batch, compute, algo
     }
     for name, argtypes in signatures.items():
         function = getattr(lib, name)
@@ -85,6 +93,26 @@ def _round_to_bf16_kernel(x, out):
     t = cuda.blockIdx.x
     for c in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
         out[t, c] = bfloat16_bits(x[t, c])
+
+
+@cuda.jit
+def _pair_addresses_kernel(experts, w_base, w_bytes, x_base, x_bytes, x_per_pair, out_base,
+                           out_bytes, addresses):
+    """The three address arrays of ``linear_gathered``'s batched product, one entry per pair
+    ``p = t k + s`` (one thread each)::
+
+        addresses[0, p] = w_base   + experts[t, s] * w_bytes      the expert's [Din, Dout] matrix
+        addresses[1, p] = x_base   + (p or t)      * x_bytes      the input row
+        addresses[2, p] = out_base + p             * out_bytes    the output row
+    """
+    p = cuda.grid(1)
+    k = experts.shape[1]
+    if p >= experts.shape[0] * k:
+        return
+    row = p if x_per_pair else p // k
+    addresses[0, p] = w_base + uint64(experts[p // k, p % k]) * w_bytes
+    addresses[1, p] = x_base + uint64(row) * x_bytes
+    addresses[2, p] = out_base + uint64(p) * out_bytes
 
 
 class CublasDenseOps(KernelDenseOps):
@@ -108,6 +136,7 @@ class CublasDenseOps(KernelDenseOps):
         # (T, width) -> uint16 buffer. One per shape: graphs of the same shape share it, so
         # they must replay one after another on one stream (as a step's do)
         self._bf16_scratch = {}
+        self._addresses = {}                # pairs -> uint64[3, pairs], likewise shared
 
     def _as_bf16(self, x):
         """``x`` rounded to bfloat16 bits, in a scratch buffer kept per shape (allocated on the
@@ -128,17 +157,21 @@ class CublasDenseOps(KernelDenseOps):
             return x, CUDA_R_32F
         raise TypeError(f"w: expected float32 or bfloat16 bits (uint16), got {w.dtype}")
 
+    def _set_stream(self):
+        """Point the handle at the package's current stream (0: the legacy default stream,
+        NULL for cuBLAS)."""
+        stream = launch_stream()
+        _check(self._lib.cublasSetStream_v2(self._handle, int(stream) if stream != 0 else None),
+               "cublasSetStream")
+
     def _gemm(self, m, n, k, w, lda, stride_w, x, data_type, ldb, stride_x, beta, out, ldc,
               stride_out, batch):
         """One ``cublasGemmStridedBatchedEx`` (column-major, no transposes) on the package's
         current stream: ``out_i = w_i x_i (+ out_i)``, float32 accumulation and output."""
         if m == 0 or n == 0 or batch == 0:
             return
-        lib, stream = self._lib, launch_stream()
-        # the package's current stream (0: the legacy default stream, NULL for cuBLAS)
-        _check(lib.cublasSetStream_v2(self._handle, int(stream) if stream != 0 else None),
-               "cublasSetStream")
-        _check(lib.cublasGemmStridedBatchedEx(
+        self._set_stream()
+        _check(self._lib.cublasGemmStridedBatchedEx(
             self._handle, CUBLAS_OP_N, CUBLAS_OP_N, m, n, k, self._one.ctypes.data,
             data_address(w), data_type, lda, stride_w,
             data_address(x), data_type, ldb, stride_x,
@@ -168,12 +201,46 @@ class CublasDenseOps(KernelDenseOps):
         self._gemm(d_out, T, d_in, w, d_out, d_in * d_out, x, data_type, d_in,
                    0 if shared else T * d_in, self._zero, out, d_out, T * d_out, experts)
 
+    def linear_gathered(self, x, w, experts, out):
+        """``out[t k + s] = x_row @ w[experts[t, s]]`` for ``w [E, Din, Dout]``, ``experts
+        int32[T, k]``, ``out float32[T k, Dout]``; ``x`` is ``[T, Din]`` (a token's row for
+        each of its pairs) or ``[T k, Din]``. One ``cublasGemmBatchedEx`` of ``T k``
+        matrix-vector products (column-major: ``out_p^T [Dout, 1] = W_e^T [Dout, Din] x^T
+        [Din, 1]``), reading only the chosen experts' weights."""
+        _, d_in, d_out = w.shape
+        pairs = out.shape[0]
+        if pairs == 0 or d_out == 0:
+            return
+        per_pair = x.shape[0] == pairs
+        x, data_type = self._inputs(x, w)
+        if pairs not in self._addresses:
+            self._addresses[pairs] = cuda.device_array((3, pairs), np.uint64)
+        addresses = self._addresses[pairs]
+        item = 2 if data_type == CUDA_R_16BF else 4
+        threads = 128
+        launch(_pair_addresses_kernel, (pairs + threads - 1) // threads, threads,
+               launch_stream())(experts, np.uint64(data_address(w)),
+                                np.uint64(d_in * d_out * item), np.uint64(data_address(x)),
+                                np.uint64(d_in * item), per_pair,
+                                np.uint64(data_address(out)), np.uint64(d_out * 4), addresses)
+        base = data_address(addresses)
+        self._set_stream()
+        _check(self._lib.cublasGemmBatchedEx(
+            self._handle, CUBLAS_OP_N, CUBLAS_OP_N, d_out, 1, d_in, self._one.ctypes.data,
+            base, data_type, d_out, base + 8 * pairs, data_type, d_in,
+            self._zero.ctypes.data, base + 16 * pairs, CUDA_R_32F, d_out,
+            pairs, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT), "cublasGemmBatchedEx")
+
 
 def build_specs():
-    """The rounding kernel (for the build report)."""
+    """The rounding and address kernels (for the build report)."""
     from numba import types
 
     from ..kernels._specs import KernelSpec
 
+    u8 = types.uint64
     return [KernelSpec("cublas_ops", "round to bfloat16", _round_to_bf16_kernel,
-                       (types.float32[:, ::1], types.uint16[:, ::1]), ROW_THREADS, True)]
+                       (types.float32[:, ::1], types.uint16[:, ::1]), ROW_THREADS, True),
+            KernelSpec("cublas_ops", "pair addresses", _pair_addresses_kernel,
+                       (types.int32[:, ::1], u8, u8, u8, u8, types.boolean, u8, u8,
+                        types.uint64[:, ::1]), 128, True)]

@@ -186,30 +186,87 @@ kv_write_kernel = functools.cache(_make_kv_write_kernel)
 
 @cuda.jit
 def _silu_mul_kernel(gate_up, out):
-    """``out[t, f] = silu(gate_up[t, f]) * gate_up[t, F + f]``. One block per row."""
+    """``out[t, f] = silu(gate_up[t, f]) * gate_up[t, F + f]``. Grid ``(T, ceil(F /
+    blockDim))``: thread ``tid`` of block ``(t, c)`` owns column ``f = c blockDim + tid`` of row
+    ``t`` (a row of an MLP is thousands of columns wide: one block per row would leave most of
+    the GPU idle at the few rows of decoding)."""
     t = cuda.blockIdx.x
-    width = out.shape[1]
-    for f in range(cuda.threadIdx.x, width, cuda.blockDim.x):
+    f = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if f < out.shape[1]:
         g = gate_up[t, f]
-        out[t, f] = g / (float32(1) + math.exp(-g)) * gate_up[t, width + f]
+        out[t, f] = g / (float32(1) + math.exp(-g)) * gate_up[t, out.shape[1] + f]
 
 
 @cuda.jit
 def _add_routed_kernel(y, weights, out):
     """``out[t] += sum_e weights[t, e] * y[e, t]``, the experts in index order, those with a zero
-    weight skipped (a token routed elsewhere adds nothing, not even ``0 * inf``). One block per
-    row ``t``; thread ``tid`` owns columns ``tid, tid + blockDim, ...`` of it."""
+    weight adding nothing (not even ``0 * inf``). Grid ``(T, ceil(D / blockDim))``: thread
+    ``tid`` of block ``(t, c)`` owns column ``col = c blockDim + tid`` of row ``t``. Every thread
+    of a block reads the same ``weights[t, e]`` (one broadcast load), and its ``y`` loads do
+    not depend on the weight, so they can all be in flight at once."""
     t = cuda.blockIdx.x
-    for col in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
-        acc = float32(0)
-        for e in range(y.shape[0]):
-            w = weights[t, e]
-            if w != float32(0):
-                acc += w * y[e, t, col]
-        out[t, col] += acc
+    col = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if col >= out.shape[1]:
+        return
+    acc = float32(0)
+    for e in range(y.shape[0]):
+        w = weights[t, e]
+        term = w * y[e, t, col]
+        if w != float32(0):
+            acc += term
+    out[t, col] += acc
+
+
+@cuda.jit
+def _linear_gathered_kernel(x, w, experts, out):
+    """One product per (token, chosen expert) pair ``p = t k + s``::
+
+        out[p, o] = sum_i x[row, i] w[experts[t, s], i, o]    row = p if x has a row per pair,
+                                                                    else t (shared by its k pairs)
+
+    Grid ``(T k, ceil(Dout / blockDim))``: block ``(p, c)`` computes columns ``c blockDim + tid``
+    of pair ``p``'s output row (a matrix-vector product; consecutive threads read consecutive
+    columns of the expert's ``w`` row ``i``)."""
+    p = cuda.blockIdx.x
+    col = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if col >= out.shape[1]:
+        return
+    k = experts.shape[1]
+    row = p if x.shape[0] == out.shape[0] else p // k
+    e = experts[p // k, p % k]
+    acc = float32(0)
+    for i in range(w.shape[1]):
+        acc += x[row, i] * w[e, i, col]
+    out[p, col] = acc
+
+
+@cuda.jit
+def _add_gathered_kernel(y, experts, weights, out):
+    """``out[t] += sum_s weights[t, experts[t, s]] * y[t k + s]``, the slots in order (experts
+    in increasing index: ``add_routed``'s order), zero weights adding nothing. Grid ``(T,
+    ceil(D / blockDim))``: thread ``tid`` of block ``(t, c)`` owns column ``c blockDim + tid`` of
+    row ``t``, as in ``_add_routed_kernel``."""
+    t = cuda.blockIdx.x
+    col = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if col >= out.shape[1]:
+        return
+    k = experts.shape[1]
+    acc = float32(0)
+    for s in range(k):
+        w = weights[t, experts[t, s]]
+        term = w * y[t * k + s, col]
+        if w != float32(0):
+            acc += term
+    out[t, col] += acc
 
 
 # -- the two backends ------------------------------------------------------------------------
+
+def _row_chunks(out) -> tuple:
+    """The grid of a kernel that gives each block ``ROW_THREADS`` columns of one row of
+    ``out [T, width]``: ``(T, ceil(width / ROW_THREADS))`` (at least one chunk)."""
+    return out.shape[0], max(1, (out.shape[1] + ROW_THREADS - 1) // ROW_THREADS)
+
 
 class KernelDenseOps:
     """The dense operations as numba.cuda launches on the current stream (no allocation)."""
@@ -245,7 +302,7 @@ class KernelDenseOps:
             np.float32(eps))
 
     def silu_mul(self, gate_up, out):
-        launch(_silu_mul_kernel, out.shape[0], ROW_THREADS, launch_stream())(gate_up, out)
+        launch(_silu_mul_kernel, _row_chunks(out), ROW_THREADS, launch_stream())(gate_up, out)
 
     def linear_batched(self, x, w, out):
         """``out[e] = x[e] @ w[e]`` for ``w [E, Din, Dout]``, ``out [E, T, Dout]``; a 2-D ``x``
@@ -255,7 +312,24 @@ class KernelDenseOps:
 
     def add_routed(self, y, weights, out):
         """``out[t] += sum_e weights[t, e] * y[e, t]`` (zero weights skipped)."""
-        launch(_add_routed_kernel, out.shape[0], ROW_THREADS, launch_stream())(y, weights, out)
+        launch(_add_routed_kernel, _row_chunks(out), ROW_THREADS, launch_stream())(
+            y, weights, out)
+
+    def linear_gathered(self, x, w, experts, out):
+        """``out[t k + s] = x_row @ w[experts[t, s]]`` for ``w [E, Din, Dout]`` (float32),
+        ``experts int32[T, k]``, ``out [T k, Dout]``; ``x`` is ``[T, Din]`` (a token's row
+        for each of its pairs) or ``[T k, Din]`` (a row per pair)."""
+        pairs, d_out = out.shape
+        grid = (pairs, (d_out + ROW_THREADS - 1) // ROW_THREADS)
+        if pairs and d_out:
+            launch(_linear_gathered_kernel, grid, ROW_THREADS, launch_stream())(
+                x, w, experts, out)
+
+    def add_gathered(self, y, experts, weights, out):
+        """``out[t] += sum_s weights[t, experts[t, s]] * y[t k + s]`` (zero weights
+        skipped)."""
+        launch(_add_gathered_kernel, _row_chunks(out), ROW_THREADS, launch_stream())(
+            y, experts, weights, out)
 
 class HostDenseOps:
     """The same operations in numpy float32, in place on numpy arrays or on the simulator's
@@ -319,6 +393,25 @@ class HostDenseOps:
             acc[rows] += w[rows, e, None] * y[e, rows]
         o += acc
 
+    def linear_gathered(self, x, w, experts, out):
+        x, w, ex, o = host_view(x), host_view(w), host_view(experts), host_view(out)
+        if w.dtype == np.uint16:            # bfloat16 weights: inputs rounded as on cuBLAS
+            x = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+            w = w.view(ml_dtypes.bfloat16).astype(np.float32)
+        rows = x if len(x) == len(o) else np.repeat(x, ex.shape[1], axis=0)    # [T k, Din]
+        for p, e in enumerate(ex.reshape(-1)):
+            o[p] = rows[p] @ w[e]
+
+    def add_gathered(self, y, experts, weights, out):
+        y, ex, w, o = host_view(y), host_view(experts), host_view(weights), host_view(out)
+        T, k = ex.shape
+        acc = np.zeros_like(o)
+        for s in range(k):                  # the kernel's order: the slots, experts ascending
+            ws = w[np.arange(T), ex[:, s]]
+            rows = ws != 0
+            acc[rows] += ws[rows, None] * y[s::k][rows]
+        o += acc
+
 def _rotate_host(pairs, positions, inv_freq):
     """In place: rotate ``pairs [T, G, Dr/2, 2]`` by ``positions[t] * inv_freq`` (float64)."""
     angle = positions.astype(np.float64)[:, None, None] * inv_freq        # [T, 1, Dr/2]
@@ -358,4 +451,8 @@ def build_specs():
         KernelSpec("dense_ops", "silu_mul", _silu_mul_kernel, (f2, f2), ROW_THREADS, True),
         KernelSpec("dense_ops", "add_routed", _add_routed_kernel, (f3, f2, f2), ROW_THREADS,
                    True),
+        KernelSpec("dense_ops", "linear_gathered", _linear_gathered_kernel, (f2, f3, i2, f2),
+                   ROW_THREADS, True),
+        KernelSpec("dense_ops", "add_gathered", _add_gathered_kernel, (f2, i2, f2, f2),
+                   ROW_THREADS, True),
     ]

@@ -29,15 +29,25 @@ transposed). YaRN's attention factor multiplies RoPE's cos and sin; RoPE is line
 folded into the weights that produce the rotated parts (the rope rows of the query projection,
 the rope columns of ``kv_a``).
 
-MoE, the simple version: the router (:mod:`~ddtree_numba.models.deepseek_v3.routing`) writes
-a dense ``[T, E]`` weight matrix, zero where a token did not choose an expert; every expert
-runs on every token (two batched products over the stacked experts' weights, ``[E, T, F]`` in
-between), and each token sums the outputs of its chosen experts with their weights. Every
-launch has the same shape whatever the routing (a CUDA graph needs that), at ``E / k`` times
-the expert FLOPs of a gathered MoE; at the small ``T`` of decoding the experts' weights are
-read in full either way, which is what bounds a step there. Memory: ``E T (3 F + D)`` float32
-activations, shared by the layers (3.3 GB at Moonlight's sizes and ``T = 2056``: bs 8, budget
-256).
+MoE on static shapes (a CUDA graph replays each launch with the shapes it was captured with,
+whatever the routing). The router (:mod:`~ddtree_numba.models.deepseek_v3.routing`) writes a
+dense ``[T, E]`` weight matrix (zero where a token did not choose an expert) and each token's
+``k`` chosen experts in increasing order. Then, fixed per ``allocate`` by the token count
+(unless the ``moe`` argument names one):
+
+* ``T k <= E`` (decoding: few tokens), *gathered*: one matrix-vector product per (token, chosen
+  expert) pair, ``T k`` of them in one batched call whose matrix addresses are computed on the
+  device (``ops.linear_gathered``), so only the chosen experts' weights are read, as an engine
+  decoding one token does;
+* otherwise (a tree of many nodes), *dense*: every expert on every token (two batched products
+  over the stacked experts' weights, ``[E, T, F]`` in between). That is ``E / k`` times the
+  expert FLOPs of a grouped MoE, but with ``T k > E`` (more pairs than experts) a grouped MoE
+  reads most experts' weights too, and at a tree's ``T`` the weights, not the FLOPs, are
+  what the layer waits for. Memory: ``E T (3 F + D)`` float32 activations, shared by the
+  layers (3.3 GB at Moonlight's sizes and ``T = 2056``: bs 8, budget 256).
+
+Either way each token then sums its chosen experts' outputs times their weights, experts in
+increasing index, zero weights skipped (``add_gathered`` / ``add_routed``: the same order).
 """
 
 from __future__ import annotations
@@ -55,6 +65,7 @@ from .config import DeepseekV3Config
 from .routing import check_routing, route_host, route_kernel
 
 WEIGHT_DTYPES = ("float32", "bfloat16")
+MOE_PATHS = ("auto", "gathered", "dense")
 
 
 def default_ops():
@@ -85,16 +96,22 @@ class DeepseekV3Target:
     ops : object, optional
         The dense-operations backend (default
         :func:`~ddtree_numba.models.deepseek_v3.target.default_ops`).
+    moe : str
+        ``"auto"`` (gathered when the step's ``T k <= E``, else dense: see the module
+        docstring), ``"gathered"`` or ``"dense"``.
     """
 
     def __init__(self, config: DeepseekV3Config, tensors, *, cache_dtype: str = "float32",
-                 weight_dtype: str = "float32", ops=None):
+                 weight_dtype: str = "float32", ops=None, moe: str = "auto"):
         if not isinstance(config, DeepseekV3Config):
             raise TypeError(f"config: expected a DeepseekV3Config, got {type(config).__name__}")
         require_cache_dtype("cache_dtype", cache_dtype)
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype: expected one of {WEIGHT_DTYPES}, got "
                              f"{weight_dtype!r}")
+        if moe not in MOE_PATHS:
+            raise ValueError(f"moe: expected one of {MOE_PATHS}, got {moe!r}")
+        self.moe = moe
         self.config = c = config
         if c.n_routed_experts:
             check_routing(c)
@@ -208,10 +225,14 @@ class DeepseekV3Target:
         if c.n_routed_experts:
             if c.n_shared_experts:
                 widths.add(c.moe_intermediate_size * c.n_shared_experts)
-            E, f = c.n_routed_experts, c.moe_intermediate_size
+            E, f, k = c.n_routed_experts, c.moe_intermediate_size, c.num_experts_per_tok
             self.router_logits, self.route_weights = empty(T, E), empty(T, E)
-            self.expert_gate_up = empty(E, T, 2 * f)        # every expert on every token
-            self.expert_act, self.expert_out = empty(E, T, f), empty(E, T, c.hidden_size)
+            self.route_experts = cuda.device_array((T, k), np.int32)
+            self.gathered_moe = (T * k <= E if self.moe == "auto"       # the module docstring's
+                                 else self.moe == "gathered")           # rule
+            rows = (T * k,) if self.gathered_moe else (E, T)    # per pair, or per expert x token
+            self.expert_gate_up = empty(*rows, 2 * f)
+            self.expert_act, self.expert_out = empty(*rows, f), empty(*rows, c.hidden_size)
         self.gate_up = {f: empty(T, 2 * f) for f in widths}
         self.act = {f: empty(T, f) for f in widths}
         self.logits = empty(T, c.vocab_size)
@@ -241,22 +262,30 @@ class DeepseekV3Target:
         self.ops.linear(self.act[f], down, out, residual=out)
 
     def _moe(self, w):
-        """The routed experts, each on every token (three batched products over the experts),
-        summed with the routing weights; then the shared experts."""
+        """The routed experts (gathered: each token's chosen ones; dense: every expert on
+        every token), summed with the routing weights; then the shared experts."""
         ops, c = self.ops, self.config
         ops.linear(self.h, w["router"], self.router_logits)
         if ops.name == "numpy":             # the simulator's backend: the twin, on host views
             route_host(host_view(self.router_logits), host_view(w["bias"]), c,
-                       host_view(self.route_weights))
+                       host_view(self.route_weights), host_view(self.route_experts))
         else:
-            route_kernel(self.router_logits, w["bias"], c, self.route_weights)
+            route_kernel(self.router_logits, w["bias"], c, self.route_weights,
+                         self.route_experts)
         gate_up, down = w["experts"]
-        E, T, f = self.expert_act.shape
-        ops.linear_batched(self.h, gate_up, self.expert_gate_up)
-        ops.silu_mul(self.expert_gate_up.reshape(E * T, 2 * f),
-                     self.expert_act.reshape(E * T, f))
-        ops.linear_batched(self.expert_act, down, self.expert_out)
-        ops.add_routed(self.expert_out, self.route_weights, self.x)
+        f = self.config.moe_intermediate_size
+        rows = self.expert_act.size // f                    # T k pairs, or E T
+        if self.gathered_moe:
+            ops.linear_gathered(self.h, gate_up, self.route_experts, self.expert_gate_up)
+        else:
+            ops.linear_batched(self.h, gate_up, self.expert_gate_up)
+        ops.silu_mul(self.expert_gate_up.reshape(rows, 2 * f), self.expert_act.reshape(rows, f))
+        if self.gathered_moe:
+            ops.linear_gathered(self.expert_act, down, self.route_experts, self.expert_out)
+            ops.add_gathered(self.expert_out, self.route_experts, self.route_weights, self.x)
+        else:
+            ops.linear_batched(self.expert_act, down, self.expert_out)
+            ops.add_routed(self.expert_out, self.route_weights, self.x)
         if w["shared"] is not None:
             self._mlp(w["shared"], self.x)
 
