@@ -14,6 +14,7 @@ Per ``(bs, budget)``, in one run:
   experts only, as an engine decodes); ``plain_dense_moe_us``: the same with every expert on
   every token (what the step's MoE does at a tree's token count);
 * ``eager_device_us`` / ``graph_device_us``: a DDTree step, device time (events, median);
+  ``eager_equals_graph``: both modes emitted the same tokens over the timed steps;
   ``launches``: the numba kernels of one eager step (the cuBLAS calls not counted);
   ``tokens_per_step``: tokens emitted per request per step (the drafter follows the plain
   decoding 80 % of the time, L 8, K 8);
@@ -177,9 +178,11 @@ def main(layers: int = 4, quick: bool = False, agree: bool = False):
             _, device_us = time_steps(step, starts, STEPS)
             row[f"{mode}_device_us"] = device_us
             if mode == "eager":
+                eager_tokens = step.tokens()
                 row["launches"] = count_launches(step)
             else:
                 tokens = step.tokens()
+                row["eager_equals_graph"] = tokens == eager_tokens
                 row["tokens_per_step"] = float(np.mean([len(t) for t in tokens])
                                                / step.steps_done)
                 row["agree"] = float(np.mean([
@@ -192,8 +195,8 @@ def main(layers: int = 4, quick: bool = False, agree: bool = False):
         bench.write_csv()                           # incrementally: a timeout keeps the rest
         print_table([row], list(row), f"bs {bs}, budget {budget}")
     cols = ["bs", "budget", "launches", "plain_us_per_token", "plain_dense_moe_us",
-            "eager_device_us",
-            "graph_device_us", "tokens_per_step", "speedup", "agree"]
+            "eager_device_us", "graph_device_us", "tokens_per_step", "speedup", "agree",
+            "eager_equals_graph"]
     print_table(bench.rows, cols, f"DeepSeek-V3 target ({layers} layers at Moonlight's sizes, "
                 f"bf16) on {bench.gpu}")
     print("wrote", bench.write_csv())
