@@ -30,7 +30,9 @@ Then the agreement study (``--agreement``, ``AGREE_BS`` prompts, budget 64, eage
 step's tokens first differ from one-token decoding, and how close to a tie the one-token
 decoding's logits were there (``margin``: its best logit minus its second best), against the
 bfloat16 noise between the two forwards (``root_noise``: the largest difference between the
-root's logits in the tree forward and in the one-token forward, the same context both).
+root's logits in the tree forward and in the one-token forward, the same context both;
+``root_routing_flips``: the MoE layers where the two forwards chose other experts for the
+root).
 
 ``--agreement-float32`` runs the study alone on the same model with float32 weights and cache
 (the rounding then ~2^-24 instead of 2^-9: whether the differences come from rounding).
@@ -111,8 +113,10 @@ def agreement(target, starts):
                       steps=AGREE_STEPS * (L + 1) + 2, mode="eager")
     plain.start(starts)
     plain_margins, root_plain = [], None
+    target.routing_log = plain_routes = []          # the first step's: the root's routing
     for _ in range(plain.max_steps):
         plain()
+        target.routing_log = None
         logits = plain.target_logits.copy_to_host()                 # [bs, V]: N = 1
         root_plain = logits if root_plain is None else root_plain
         plain_margins.append(margins(logits))
@@ -124,7 +128,9 @@ def agreement(target, starts):
     step = make_step(target, continuation, bs=bs, budget=AGREE_BUDGET, steps=AGREE_STEPS,
                      mode="eager")
     step.start(starts)
+    target.routing_log = tree_routes = []
     step()
+    target.routing_log = None
     N = AGREE_BUDGET + 1
     root_tree = step.target_logits.copy_to_host().reshape(bs, N, -1)[:, 0]
     for _ in range(AGREE_STEPS - 1):
@@ -136,6 +142,11 @@ def agreement(target, starts):
         rows.append(dict(request=b, tokens_compared=n, first_difference=first,
                          margin_there=None if first is None else float(plain_margins[b, first]),
                          root_noise=float(np.abs(root_tree[b] - root_plain[b]).max()),
+                         # MoE layers whose experts for the root differ between the forwards
+                         root_routing_flips=sum(
+                             set(plain_layer[b]) != set(tree_layer[b * N])
+                             for plain_layer, tree_layer in zip(plain_routes, tree_routes,
+                                                                strict=True)),
                          median_margin=float(np.median(plain_margins[b, :n])),
                          smallest_margin_before=float(plain_margins[b, :first if first
                                                                      is not None else n].min())

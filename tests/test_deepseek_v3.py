@@ -285,6 +285,27 @@ def test_absorbed_forward_equals_transformers(name, weight_dtype, moe):
         assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
+def test_routing_log_keeps_each_moe_layers_chosen_experts():
+    """The diagnostic behind the bf16 agreement study: with ``routing_log`` a list, a forward
+    appends each MoE layer's ``[T, k]`` choice (distinct experts, increasing)."""
+    from ddtree_numba.kernels import as_device
+    from ddtree_numba.models.deepseek_v3.target import DeepseekV3Target
+
+    ckpt = Checkpoint(os.path.join(FIXTURES, "q_lora"))
+    c = ckpt.config
+    tokens = np.array([[5, 17, 42]], np.int32)
+    target = DeepseekV3Target(c, ckpt)
+    target.allocate(bs=1, N=3, num_pages=2, page_size=4, max_pages=1)
+    target.routing_log = log = []
+    target.forward(chain_tree(tokens), as_device(np.zeros((1, 1), np.int32)),
+                   as_device(np.zeros(1, np.int32)))
+    moe_layers = sum(c.is_moe_layer(layer) for layer in range(c.num_hidden_layers))
+    assert moe_layers >= 1 and len(log) == moe_layers
+    for chosen in log:
+        assert chosen.shape == (3, c.num_experts_per_tok)
+        assert (np.diff(chosen, axis=1) > 0).all() and (chosen < c.n_routed_experts).all()
+
+
 def _router_config(E=64, groups=8, kept=3, k=6, normalise=True):
     from dataclasses import replace
 

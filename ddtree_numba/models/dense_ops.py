@@ -331,6 +331,7 @@ class KernelDenseOps:
         launch(_add_gathered_kernel, _row_chunks(out), ROW_THREADS, launch_stream())(
             y, experts, weights, out)
 
+
 class HostDenseOps:
     """The same operations in numpy float32, in place on numpy arrays or on the simulator's
     device arrays (the twins that the kernels are tested against)."""
@@ -411,6 +412,7 @@ class HostDenseOps:
             rows = ws != 0
             acc[rows] += ws[rows, None] * y[s::k][rows]
         o += acc
+
 
 def _rotate_host(pairs, positions, inv_freq):
     """In place: rotate ``pairs [T, G, Dr/2, 2]`` by ``positions[t] * inv_freq`` (float64)."""

@@ -120,7 +120,7 @@ def _route_kernel(logits, bias, n_group, topk_group, top_k, normalise, scaling, 
 
 
 def check_routing(config) -> None:
-    """Refuse a config the router cannot follow: more experts or groups than its masks hold,
+    """Refuse a config the router cannot follow: more experts or groups than a block holds,
     groups of unequal size or of one expert (a group's score is the sum of its two best),
     or more experts a token than the kept groups hold."""
     E, G = config.n_routed_experts, config.n_group

@@ -122,6 +122,9 @@ class DeepseekV3Target:
         self.inv_freq = as_device(np.asarray(inv_freq, np.float64))
         self._load(tensors, factor)
         self.sizes = None
+        #: A diagnostic: when a list, each MoE layer's chosen experts (``int32[T, k]``) are
+        #: appended to it as host copies, in layer order. It synchronises, so eager mode only.
+        self.routing_log = None
 
     # -- weights, laid out for ``ops.linear`` (``[G, Din, Dout]``) ------------------------------
     def _vector(self, tensors, name):
@@ -272,6 +275,9 @@ class DeepseekV3Target:
         else:
             route_kernel(self.router_logits, w["bias"], c, self.route_weights,
                          self.route_experts)
+        if self.routing_log is not None:
+            self.routing_log.append(host_view(self.route_experts).copy() if ops.name == "numpy"
+                                    else self.route_experts.copy_to_host())
         gate_up, down = w["experts"]
         f = self.config.moe_intermediate_size
         rows = self.expert_act.size // f                    # T k pairs, or E T
