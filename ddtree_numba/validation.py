@@ -33,6 +33,7 @@ from .arrays import (
     INT32,
     UINT32,
     array_info,
+    data_address,
     describe,
     dtype_name,
     host_values,
@@ -668,6 +669,16 @@ def kv_cache_dims(kv_cache) -> tuple:
         raise ValueError(f"kv_cache: expected rank 3 [num_pages, page_size, D] or rank 4 "
                          f"[layers, num_pages, page_size, D], got {describe(info)}")
     return dims
+
+
+def require_new_lengths(name: str, out, prefix_lens, bs: int):
+    """``out``, where a commit writes each request's new length: ``int32[bs]`` and a buffer
+    of its own. Not ``prefix_lens`` itself: other blocks of the request still read
+    ``prefix_lens[b]`` after the thread that writes the new length is done."""
+    require_array(name, out, (np.int32,), ("bs",), {"bs": bs})
+    if data_address(out) == data_address(prefix_lens):
+        raise ValueError(f"{name}: expected a buffer of its own, got prefix_lens itself")
+    return out
 
 
 def check_commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len, *,

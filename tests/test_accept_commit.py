@@ -82,6 +82,18 @@ def test_device_cache_in_place_and_out_buffers():
     np.testing.assert_array_equal(new_prefix.copy_to_host(), want_prefix)
 
 
+def test_new_lengths_may_not_be_written_over_prefix_lens():
+    """Other blocks of a request still read ``prefix_lens[b]`` after its new length is
+    written: ``out[1]`` must be a buffer of its own (as for ``commit_kv``)."""
+    tree, predict, cache, table, prefix = problem(5, 3, 25, 2, np.float32)
+    device_prefix = K.as_device(prefix)
+    with pytest.raises(ValueError, match="out\\[1\\]: expected a buffer of its own"):
+        K.accept_commit(tree.token_ids, tree.next_token, tree.next_sibling, predict,
+                        K.as_device(cache), K.as_device(table), device_prefix,
+                        out=(K.allocate_accept(3, 25), device_prefix))
+    np.testing.assert_array_equal(device_prefix.copy_to_host(), prefix)
+
+
 def test_unchecked_garbage_stays_in_bounds():
     """check=False with links, prefixes and pages outside their ranges: an answer, no crash,
     and a prefix that is no valid start commits nothing and keeps its length."""

@@ -207,7 +207,7 @@ def test_tree_from_parents_rejects():
 def test_kernel_variant_is_checked():
     a = good_tree_args()
     a["variant"] = "bogus"
-    with pytest.raises(ValueError, match=r"variant: expected one of \('scan', 'warp'\)"):
+    with pytest.raises(ValueError, match=r"variant: expected one of \('scan', 'warp', 'levels'\)"):
         call_build(K, a)
     if K.SIMULATOR:
         a["variant"] = "warp"

@@ -207,13 +207,15 @@ def use_stream(stream):
         _stream_stack.pop()
 
 
-def resolve_variant(variant, *, readable: str, fast: str) -> str:
+def resolve_variant(variant, *, readable: str, fast: str, anywhere: tuple = ()) -> str:
     """The kernel variant to launch: ``fast`` on a GPU and ``readable`` on the simulator by
-    default; asking for ``fast`` on the simulator (no warp intrinsics there) is an error."""
+    default; asking for ``fast`` on the simulator (no warp intrinsics there) is an error.
+    ``anywhere``: other variants, which run on both and are taken only when asked for."""
     if variant is None:
         return readable if SIMULATOR else fast
-    if variant not in (readable, fast):
-        raise ValueError(f"variant: expected one of {(readable, fast)}, got {variant!r}")
+    known = (readable, fast, *anywhere)
+    if variant not in known:
+        raise ValueError(f"variant: expected one of {known}, got {variant!r}")
     if variant == fast and SIMULATOR:
         raise ValueError(f"variant: {fast!r} needs warp intrinsics, which the CUDA simulator "
                          f"lacks; use {readable!r}")

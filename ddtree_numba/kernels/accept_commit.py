@@ -40,7 +40,7 @@ from numba import cuda, int32, int64
 from ..arrays import data_address
 from ..contracts import AcceptResult
 from ..limits import MAX_NODES
-from ..validation import check_accept_commit, require_array
+from ..validation import check_accept_commit, require_new_lengths
 from ._device import SIMULATOR, as_device, device_empty, kernel_for_block, launch, launch_stream
 from .commit_kv import commit_column, valid_prefix
 from .tree_accept import checked_out, greedy_walk, write_accept_rows
@@ -140,8 +140,7 @@ def accept_commit(token_ids, next_token, next_sibling, target_predict, kv_cache,
         raise TypeError(f"out: expected a tuple (AcceptResult, new_prefix_lens), got "
                         f"{type(out).__name__}")
     res: AcceptResult = checked_out(out[0], sz.bs, sz.N)
-    new_prefix = out[1]
-    require_array("out[1]", new_prefix, (np.int32,), ("bs",), {"bs": sz.bs})
+    new_prefix = require_new_lengths("out[1]", out[1], prefix_lens, sz.bs)
     host_cache = kv_cache if isinstance(kv_cache, np.ndarray) else None
     cache = as_device(kv_cache)
     if cache.ndim == 3:

@@ -422,8 +422,7 @@ def build_tree(top_log_probs, top_token_ids, root_token_ids, budget, *, prefix_l
                          f"got {budget}")
     if sz.L > MAX_DEPTH:
         raise ValueError(f"top_log_probs: expected L <= {MAX_DEPTH}, got L = {sz.L}")
-    if variant != "levels":                         # (levels runs on both backends)
-        variant = resolve_variant(variant, readable="scan", fast="warp")
+    variant = resolve_variant(variant, readable="scan", fast="warp", anywhere=("levels",))
     lp = as_device(top_log_probs)
     ids = as_device(top_token_ids)
     roots = as_device(root_token_ids)

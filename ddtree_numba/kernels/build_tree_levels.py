@@ -34,10 +34,11 @@ from __future__ import annotations
 
 from numba import cuda, float32, int16, int32, uint32, uint64
 
+from ..limits import MAX_NODES
 from ._device import SIMULATOR, kernel_for_block
 from ._primitives import bitonic_sort_desc, block_inclusive_scan, float_of_key, key_of_float
 
-NODE_CAPACITY = 1056                # as build_tree: N <= 1056
+NODE_CAPACITY = MAX_NODES           # as build_tree: N <= 1056
 CAND_CAP = 2048                     # the candidate buffer: a power of two >= NODE_CAPACITY
 CHUNK = 64 if SIMULATOR else CAND_CAP   # candidates sorted and merged at once (the simulator
                                         # takes small chunks so that tests cover several)

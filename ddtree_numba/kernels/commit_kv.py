@@ -31,9 +31,8 @@ import math
 import numpy as np
 from numba import cuda, int32, int64
 
-from ..arrays import data_address
 from ..limits import MAX_POSITION
-from ..validation import check_commit_kv, require_array
+from ..validation import check_commit_kv, require_new_lengths
 from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream
 
 COMMIT_THREADS = 32 if SIMULATOR else 128
@@ -168,11 +167,7 @@ def commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len, *, c
     if out is None:
         new_prefix = device_empty((sz.bs,), np.int32)
     else:
-        require_array("out", out, (np.int32,), ("bs",), {"bs": sz.bs})
-        if data_address(out) == data_address(args[1]):
-            # other blocks still read prefix_lens[b] after its request's writer thread is done
-            raise ValueError("out: expected a buffer of its own, got prefix_lens itself")
-        new_prefix = out
+        new_prefix = require_new_lengths("out", out, args[1], sz.bs)
     stream = launch_stream()
     if sz.bs:
         # (at least one block on x and z: a request's new length is written even when D = 0
