@@ -46,7 +46,7 @@ import sys
 import time
 
 import numpy as np
-from bench_step import count_launches, time_steps
+from bench_step import count_launches, stage_times, time_steps
 from harness import Bench, print_table
 
 from ddtree_numba import GreedyStep
@@ -84,19 +84,14 @@ def make_step(target, continuation, *, bs, budget, steps, mode):
                       bs=bs, L=L, K=TOPK, budget=budget, max_steps=steps, mode=mode)
 
 
-def stage_times(bench, step) -> dict:
-    """Device microseconds of each stage, captured alone and replayed (graph mode buffers)."""
-    times = {}
-    for name, launch in step.stages():
-        if name != "advance":   # appends tokens: replaying it would overrun the token buffer
-            times[name] = 1e3 * bench.time_device(launch, reps=20, flush=False)["ms"]
-
-    def attention():
-        for layer in range(step.target.config.num_hidden_layers):
-            step.target.attend(layer, step.tree, step.block_table, step.prefix_lens)
-
-    times["attention"] = 1e3 * bench.time_device(attention, reps=20, flush=False)["ms"]
-    return times
+def continuation_of(starts, plain_tokens) -> np.ndarray:
+    """``int32[bs, 1 + longest]``: each start token, then its plain greedy decoding (what the
+    toy drafter follows)."""
+    out = np.zeros((len(starts), max(map(len, plain_tokens)) + 1), np.int32)
+    out[:, 0] = starts
+    for b, tokens in enumerate(plain_tokens):
+        out[b, 1: len(tokens) + 1] = tokens
+    return out
 
 
 def margins(logits) -> np.ndarray:
@@ -121,10 +116,7 @@ def agreement(target, starts):
         root_plain = logits if root_plain is None else root_plain
         plain_margins.append(margins(logits))
     plain_tokens, plain_margins = plain.tokens(), np.array(plain_margins).T   # [bs, steps]
-    continuation = np.zeros((bs, max(map(len, plain_tokens)) + 1), np.int32)
-    continuation[:, 0] = starts
-    for b in range(bs):
-        continuation[b, 1: len(plain_tokens[b]) + 1] = plain_tokens[b]
+    continuation = continuation_of(starts, plain_tokens)
     step = make_step(target, continuation, bs=bs, budget=AGREE_BUDGET, steps=AGREE_STEPS,
                      mode="eager")
     step.start(starts)
@@ -177,10 +169,7 @@ def main(layers: int = 4, quick: bool = False, agree: bool = False):
                           steps=plain_steps + 2, mode="graph")
         _, plain_us = time_steps(plain, starts, plain_steps)
         plain_tokens = plain.tokens()
-        continuation = np.zeros((bs, max(map(len, plain_tokens)) + 1), np.int32)
-        continuation[:, 0] = starts
-        for b in range(bs):
-            continuation[b, 1: len(plain_tokens[b]) + 1] = plain_tokens[b]
+        continuation = continuation_of(starts, plain_tokens)
         row = {"bs": bs, "budget": budget, "layers": layers, "L": L, "K": TOPK,
                "plain_us_per_token": plain_us, "plain_dense_moe_us": plain_dense_us}
         for mode in ("eager", "graph"):
@@ -199,7 +188,8 @@ def main(layers: int = 4, quick: bool = False, agree: bool = False):
                 row["agree"] = float(np.mean([
                     t[: len(p)] == p[: len(t)] for t, p in zip(tokens, plain_tokens,
                                                                 strict=True)]))
-                for name, us in stage_times(bench, step).items():
+                for name, us in stage_times(bench, step, reps=20,
+                                            attention_name="attention").items():
                     row[f"{name}_us"] = us
         row["speedup"] = row["tokens_per_step"] * plain_us / row["graph_device_us"]
         bench.add(**row)

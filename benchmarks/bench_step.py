@@ -86,19 +86,21 @@ def time_steps(step, starts, reps: int):
     return 1e6 * statistics.median(host), 1e3 * statistics.median(device)
 
 
-def stage_times(bench, step) -> dict:
-    """Device microseconds of each stage, captured alone and replayed (graph mode buffers)."""
+def stage_times(bench, step, *, reps: int = 30,
+                attention_name: str = "verify_attn_all_layers") -> dict:
+    """Device microseconds of each stage, captured alone and replayed (graph mode buffers),
+    and under ``attention_name`` the part of target_forward spent in ``verify_attn``."""
     times = {}
     for name, launch in step.stages():
         if name == "advance":
             continue            # appends tokens: replaying it would overrun the token buffer
-        times[name] = 1e3 * bench.time_device(launch, reps=30, flush=False)["ms"]
-    def attention():                    # the part of target_forward spent in verify_attn
-        for layer in range(step.target.config.layers):
+        times[name] = 1e3 * bench.time_device(launch, reps=reps, flush=False)["ms"]
+
+    def attention():
+        for layer in range(len(step.target.kv_caches())):
             step.target.attend(layer, step.tree, step.block_table, step.prefix_lens)
 
-    times["verify_attn_all_layers"] = 1e3 * bench.time_device(attention, reps=30,
-                                                              flush=False)["ms"]
+    times[attention_name] = 1e3 * bench.time_device(attention, reps=reps, flush=False)["ms"]
     return times
 
 

@@ -21,7 +21,6 @@ import numpy as np
 from bench_deepseek_step import make_step, random_model
 from harness import Bench, print_table
 
-from ddtree_numba.models.deepseek_v3 import target as target_module
 from ddtree_numba.models.deepseek_v3.target import DeepseekV3Target
 
 LAYERS = 2
@@ -77,7 +76,6 @@ def main():
     print(f"copy bandwidth: {copy_gbs:.0f} GB/s")
     ops = RecordingOps(target.ops)
     target.ops = ops
-    route = target_module.route_kernel
     for budget in (0, 64):
         step = make_step(target, np.zeros((1, 2), np.int32), bs=1, budget=budget, steps=6,
                          mode="eager")
@@ -85,20 +83,15 @@ def main():
         step()                                  # compile and warm up
         calls = []
 
-        def recording_route(*args):
-            calls.append(("route", args, lambda: route(*args)))
-            return route(*args)
-
         def recording_attend(layer, *args):
             calls.append(("verify_attn", (), lambda: DeepseekV3Target.attend(target, layer,
                                                                               *args)))
             return DeepseekV3Target.attend(target, layer, *args)
 
         ops.calls, ops.recording = calls, True
-        target_module.route_kernel, target.attend = recording_route, recording_attend
+        target.attend = recording_attend
         step._target_forward()
         ops.recording = False
-        target_module.route_kernel = route
         del target.attend
         cp.cuda.Device().synchronize()
         forward = bench.time_device(step._target_forward, reps=20, flush=False)["ms"] * 1e3

@@ -200,6 +200,19 @@ def test_add_gathered_is_add_routed_over_the_chosen_pairs(rng):
     assert np.isfinite(got).all()
 
 
+def test_numba_products_refuse_bfloat16_weights(rng):
+    """KernelDenseOps' products read ``w`` as numbers; bfloat16 bits would be read as
+    integers: refused by name (the cuBLAS backend takes them)."""
+    w = as_device(rng.standard_normal((2, 4, 3)).astype(ml_dtypes.bfloat16).view(np.uint16))
+    x = as_device(rng.standard_normal((5, 4)).astype(np.float32))
+    ops = KernelDenseOps()
+    with pytest.raises(TypeError, match="w: expected float32 weights"):
+        ops.linear(x, w[:1], as_device(np.zeros((5, 3), np.float32)))
+    with pytest.raises(TypeError, match="w: expected float32 weights"):
+        ops.linear_gathered(x, w, as_device(np.zeros((5, 1), np.int32)),
+                            as_device(np.zeros((5, 3), np.float32)))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("weights", ["float32", "bfloat16"])
 @pytest.mark.parametrize("groups,residual", [(1, None), (2, "same"), (3, "other")])

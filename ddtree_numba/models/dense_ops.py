@@ -262,6 +262,14 @@ def _add_gathered_kernel(y, experts, weights, out):
 
 # -- the two backends ------------------------------------------------------------------------
 
+def _require_float32_weights(w) -> None:
+    """The numba products read ``w`` as numbers: bfloat16 bits (``uint16``) would be read as
+    integers, so only the cuBLAS backend takes them."""
+    if w.dtype != np.float32:
+        raise TypeError(f"w: expected float32 weights (bfloat16 ones need CublasDenseOps), "
+                        f"got {w.dtype}")
+
+
 def _row_chunks(out) -> tuple:
     """The grid of a kernel that gives each block ``ROW_THREADS`` columns of one row of
     ``out [T, width]``: ``(T, ceil(width / ROW_THREADS))`` (at least one chunk)."""
@@ -282,6 +290,7 @@ class KernelDenseOps:
 
     def linear(self, x, w, out, residual=None):
         """``out = x @ w (+ residual)``; ``w`` is ``[G, Din, Dout]`` (grouped per head)."""
+        _require_float32_weights(w)
         groups, _, d_out = w.shape
         grid = ((d_out + TILE - 1) // TILE, (x.shape[0] + TILE - 1) // TILE, groups)
         launch(_linear_kernel, grid, (TILE, TILE), launch_stream())(
@@ -315,14 +324,20 @@ class KernelDenseOps:
         launch(_add_routed_kernel, _row_chunks(out), ROW_THREADS, launch_stream())(
             y, weights, out)
 
+    def route(self, logits, bias, config, weights, experts):
+        """DeepSeek-V3's MoE router: ``weights [T, E]`` and ``experts [T, k]`` from the router
+        logits (:func:`~ddtree_numba.models.deepseek_v3.routing.route_kernel`)."""
+        from .deepseek_v3.routing import route_kernel
+
+        route_kernel(logits, bias, config, weights, experts)
+
     def linear_gathered(self, x, w, experts, out):
         """``out[t k + s] = x_row @ w[experts[t, s]]`` for ``w [E, Din, Dout]`` (float32),
         ``experts int32[T, k]``, ``out [T k, Dout]``; ``x`` is ``[T, Din]`` (a token's row
         for each of its pairs) or ``[T k, Din]`` (a row per pair)."""
-        pairs, d_out = out.shape
-        grid = (pairs, (d_out + ROW_THREADS - 1) // ROW_THREADS)
-        if pairs and d_out:
-            launch(_linear_gathered_kernel, grid, ROW_THREADS, launch_stream())(
+        _require_float32_weights(w)
+        if out.shape[0] and out.shape[1]:
+            launch(_linear_gathered_kernel, _row_chunks(out), ROW_THREADS, launch_stream())(
                 x, w, experts, out)
 
     def add_gathered(self, y, experts, weights, out):
@@ -348,10 +363,7 @@ class HostDenseOps:
         host_view(out)[:] = x * inv * host_view(weight)
 
     def linear(self, x, w, out, residual=None):
-        x, w, o = host_view(x), host_view(w), host_view(out)
-        if w.dtype == np.uint16:            # bfloat16 weights: the inputs rounded to bfloat16
-            x = x.astype(ml_dtypes.bfloat16).astype(np.float32)     # too, as on cuBLAS
-            w = w.view(ml_dtypes.bfloat16).astype(np.float32)
+        (x, w), o = _product_operands(x, w), host_view(out)
         groups, d_in, d_out = w.shape
         y = np.einsum("tgk,gko->tgo", x.reshape(len(x), groups, d_in), w).reshape(len(x), -1)
         o[:] = y if residual is None else y + host_view(residual)
@@ -380,10 +392,7 @@ class HostDenseOps:
         o[:] = g / (np.float32(1) + np.exp(-g)) * u
 
     def linear_batched(self, x, w, out):
-        x, w, o = host_view(x), host_view(w), host_view(out)
-        if w.dtype == np.uint16:            # bfloat16 weights: inputs rounded as on cuBLAS
-            x = x.astype(ml_dtypes.bfloat16).astype(np.float32)
-            w = w.view(ml_dtypes.bfloat16).astype(np.float32)
+        (x, w), o = _product_operands(x, w), host_view(out)
         o[:] = np.matmul(x, w)              # [T, Din] broadcast, or [E, T, Din], @ [E, Din, Dout]
 
     def add_routed(self, y, weights, out):
@@ -394,11 +403,14 @@ class HostDenseOps:
             acc[rows] += w[rows, e, None] * y[e, rows]
         o += acc
 
+    def route(self, logits, bias, config, weights, experts):
+        from .deepseek_v3.routing import route_host
+
+        route_host(host_view(logits), host_view(bias), config, host_view(weights),
+                   host_view(experts))
+
     def linear_gathered(self, x, w, experts, out):
-        x, w, ex, o = host_view(x), host_view(w), host_view(experts), host_view(out)
-        if w.dtype == np.uint16:            # bfloat16 weights: inputs rounded as on cuBLAS
-            x = x.astype(ml_dtypes.bfloat16).astype(np.float32)
-            w = w.view(ml_dtypes.bfloat16).astype(np.float32)
+        (x, w), ex, o = _product_operands(x, w), host_view(experts), host_view(out)
         rows = x if len(x) == len(o) else np.repeat(x, ex.shape[1], axis=0)    # [T k, Din]
         for p, e in enumerate(ex.reshape(-1)):
             o[p] = rows[p] @ w[e]
@@ -412,6 +424,16 @@ class HostDenseOps:
             rows = ws != 0
             acc[rows] += ws[rows, None] * y[s::k][rows]
         o += acc
+
+
+def _product_operands(x, w):
+    """``(x, w)`` of a product as float32 numpy arrays; with bfloat16 weights (``uint16``
+    bits) the inputs rounded to bfloat16 too, as cuBLAS gets them."""
+    x, w = host_view(x), host_view(w)
+    if w.dtype == np.uint16:
+        x = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+        w = w.view(ml_dtypes.bfloat16).astype(np.float32)
+    return x, w
 
 
 def _rotate_host(pairs, positions, inv_freq):

@@ -55,14 +55,14 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from ...arrays import CACHE_DTYPES, host_view
+from ...arrays import BFLOAT16, CACHE_DTYPES, host_values
 from ...kernels import SIMULATOR, allocate_workspace, as_device, verify_attn
 from ...kernels.verify_attn import choose_variant
 from ...validation import require_cache_dtype
 from ..dense_ops import HostDenseOps
 from . import reference as ref
 from .config import DeepseekV3Config
-from .routing import check_routing, route_host, route_kernel
+from .routing import check_routing
 
 WEIGHT_DTYPES = ("float32", "bfloat16")
 MOE_PATHS = ("auto", "gathered", "dense")
@@ -130,14 +130,13 @@ class DeepseekV3Target:
     def _vector(self, tensors, name):
         return as_device(np.asarray(tensors[name], np.float32))
 
-    def _matrix(self, weight, groups=1):
+    def _matrix(self, weight):
         """A ``Linear`` weight ``[out, in]`` (float32 numpy) as ``[1, in, out]``, or an already
         grouped ``[G, Din, Dout]``, in the weight type."""
         w = np.ascontiguousarray(weight.T[None] if weight.ndim == 2 else weight,
                                  dtype=np.float32)
         if self.weight_dtype == "bfloat16":
-            import ml_dtypes
-            return as_device(w.astype(ml_dtypes.bfloat16).view(np.uint16))
+            w = w.astype(BFLOAT16)                  # as_device keeps its bits, as uint16
         return as_device(w)
 
     def _load(self, tensors, attention_factor):
@@ -269,15 +268,9 @@ class DeepseekV3Target:
         every token), summed with the routing weights; then the shared experts."""
         ops, c = self.ops, self.config
         ops.linear(self.h, w["router"], self.router_logits)
-        if ops.name == "numpy":             # the simulator's backend: the twin, on host views
-            route_host(host_view(self.router_logits), host_view(w["bias"]), c,
-                       host_view(self.route_weights), host_view(self.route_experts))
-        else:
-            route_kernel(self.router_logits, w["bias"], c, self.route_weights,
-                         self.route_experts)
+        ops.route(self.router_logits, w["bias"], c, self.route_weights, self.route_experts)
         if self.routing_log is not None:
-            self.routing_log.append(host_view(self.route_experts).copy() if ops.name == "numpy"
-                                    else self.route_experts.copy_to_host())
+            self.routing_log.append(host_values(self.route_experts))
         gate_up, down = w["experts"]
         f = self.config.moe_intermediate_size
         rows = self.expert_act.size // f                    # T k pairs, or E T
