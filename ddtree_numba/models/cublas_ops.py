@@ -137,6 +137,7 @@ class CublasDenseOps(KernelDenseOps):
         # they must replay one after another on one stream (as a step's do)
         self._bf16_scratch = {}
         self._addresses = {}                # pairs -> uint64[3, pairs], likewise shared
+        self._stream_handle = -1            # the stream the handle is set to (-1: none yet)
 
     def _as_bf16(self, x):
         """``x`` rounded to bfloat16 bits, in a scratch buffer kept per shape (allocated on the
@@ -159,10 +160,16 @@ class CublasDenseOps(KernelDenseOps):
 
     def _set_stream(self):
         """Point the handle at the package's current stream (0: the legacy default stream,
-        NULL for cuBLAS)."""
+        NULL for cuBLAS) when it changed. cublasSetStream also resets the handle's workspace
+        to cuBLAS's own pool, so ours is set again after it."""
         stream = launch_stream()
-        _check(self._lib.cublasSetStream_v2(self._handle, int(stream) if stream != 0 else None),
-               "cublasSetStream")
+        handle = int(stream) if stream != 0 else None
+        if handle == self._stream_handle:
+            return
+        _check(self._lib.cublasSetStream_v2(self._handle, handle), "cublasSetStream")
+        _check(self._lib.cublasSetWorkspace_v2(self._handle, data_address(self._workspace),
+                                               WORKSPACE_BYTES), "cublasSetWorkspace")
+        self._stream_handle = handle
 
     def _gemm(self, m, n, k, w, lda, stride_w, x, data_type, ldb, stride_x, beta, out, ldc,
               stride_out, batch):
