@@ -20,7 +20,12 @@ from numba import cuda, float32, int32, uint64
 from ..arrays import host_view
 from ..kernels._device import SIMULATOR, as_device, launch, launch_stream
 
-ROW_THREADS = 128    # threads per block: one block per (request, draft position)
+ROW_THREADS = 128    # threads per block
+# columns of one (request, draft position) row a block writes: a row is a vocabulary wide, and
+# one block per row left all but bs L SMs idle (8 blocks took 141 us for 8 rows of 163 840 on
+# the H200). The simulator's tests have tiny vocabularies: small chunks there, so that they
+# cover several chunks and a partial last one.
+CHUNK = 16 if SIMULATOR else 4096
 
 MASK32 = 0xFFFFFFFF
 SQRT3 = 1.7320508075688772
@@ -54,8 +59,9 @@ def _unit(h):
 def _draft_kernel(continuation, prefix_lens, seed, accuracy, confidence, noise_scale, logits):
     """Toy block-drafter logits: a noisy view of the target's own greedy continuation.
 
-    Block ``(d, b)`` writes ``logits[b, d, :]`` for the token at position ``P + 1 + d``
-    (``P = prefix_lens[b]`` is the root's position). With ``u`` a hash of ``(b, position)``:
+    Block ``(d, b, c)`` writes ``logits[b, d, c CHUNK : (c + 1) CHUNK]`` for the token at
+    position ``P + 1 + d`` (``P = prefix_lens[b]`` is the root's position); thread ``tid`` the
+    columns ``c CHUNK + tid``, ``+ blockDim``, ... With ``u`` a hash of ``(b, position)``:
     if ``u < accuracy`` the bonus ``confidence`` goes to the true token
     ``continuation[b, position]``; otherwise to a hashed wrong guess, and the true token gets
     ``RUNNER_UP * confidence`` (so a wider tree can still catch it). Every logit adds
@@ -69,7 +75,8 @@ def _draft_kernel(continuation, prefix_lens, seed, accuracy, confidence, noise_s
     guess = true_token
     if not agree or true_token < 0:
         guess = int32(_hash(seed, b, position, vocab + 1) % uint64(vocab))
-    for v in range(cuda.threadIdx.x, vocab, cuda.blockDim.x):
+    first = cuda.blockIdx.z * CHUNK
+    for v in range(first + cuda.threadIdx.x, min(vocab, first + CHUNK), cuda.blockDim.x):
         u = float32(0)
         for k in range(4):
             u += _unit(_hash(seed, b, position, 4 * v + k + 2 * vocab))
@@ -87,8 +94,9 @@ class KernelDraftOps:
     name = "kernels"
 
     def draft(self, continuation, prefix_lens, seed, accuracy, confidence, noise_scale, logits):
-        bs, L, _ = logits.shape
-        launch(_draft_kernel, (L, bs), ROW_THREADS, launch_stream())(
+        bs, L, vocab = logits.shape
+        chunks = max(1, (vocab + CHUNK - 1) // CHUNK)
+        launch(_draft_kernel, (L, bs, chunks), ROW_THREADS, launch_stream())(
             continuation, prefix_lens, np.uint32(seed), np.float32(accuracy),
             np.float32(confidence), np.float32(noise_scale), logits)
 

@@ -20,7 +20,11 @@ from ..arrays import host_view
 from ..kernels._device import SIMULATOR, launch, launch_stream
 from ..reference.greedy_step import argmax_per_node
 
-ROW_THREADS = 128    # argmax: threads per block (one block per row of logits)
+# argmax: threads per block, one block per row of logits. A row is a whole vocabulary (163 840
+# columns for Kimi-K2 and Moonlight), and at bs 1 a step has fewer rows than the GPU has SMs:
+# the whole block's loads in flight are what bound it (128 threads took 152 us for 65 rows of
+# 163 840 on the H200, 40 MB). The simulator runs a Python thread per CUDA thread: fewer there.
+ROW_THREADS = 128 if SIMULATOR else 1024
 ADVANCE_THREADS = 32
 
 
@@ -28,8 +32,8 @@ ADVANCE_THREADS = 32
 def _argmax_kernel(logits, num_nodes, predict):
     """``predict[b, j] = argmax(logits[b N + j])`` (first index on ties), ``-1`` on padding.
 
-    One block per row: each thread scans columns ``tid, tid + 128, ...`` keeping its first
-    maximum, then a tree reduction in shared memory keeps the larger value, and on equal
+    One block per row: each thread scans columns ``tid, tid + ROW_THREADS, ...`` keeping its
+    first maximum, then a tree reduction in shared memory keeps the larger value, and on equal
     values the smaller index.
     """
     t, tid = cuda.blockIdx.x, cuda.threadIdx.x
