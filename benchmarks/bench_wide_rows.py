@@ -25,6 +25,7 @@ def main():
         d_logits = as_device(cp.asarray(logits))
         num_nodes = as_device(cp.full(bs, N, cp.int32))
         predict = as_device(cp.zeros((bs, N), cp.int32))
+        cp.cuda.Device().synchronize()      # CuPy filled them on its stream, the bench's differs
         ops = KernelStepOps()
         t = bench.time_device(lambda: ops.argmax(d_logits, num_nodes, predict), reps=30,
                               flush=False)
@@ -36,6 +37,7 @@ def main():
         prefix = rng.integers(0, 300, bs).astype(np.int32)
         out = as_device(cp.zeros((bs, L, V), cp.float32))
         d_cont, d_prefix = as_device(cp.asarray(continuation)), as_device(cp.asarray(prefix))
+        cp.cuda.Device().synchronize()
         ops = KernelDraftOps()
         t = bench.time_device(lambda: ops.draft(d_cont, d_prefix, 7, 0.8, 6.0, 1.0, out),
                               reps=30, flush=False)

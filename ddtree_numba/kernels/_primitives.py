@@ -23,8 +23,14 @@ once. The ``log2 T`` levels each combine ``red[tid]`` and ``red[tid + half]`` (t
 for every call: a float sum is deterministic). ``block_inclusive_scan`` is the Hillis-Steele
 prefix sum of one int32 per thread.
 
-Simulator: the bit casts have numpy versions and the block helpers run as they are; the warp
-max does not exist there (kernels that need it have a simulator-runnable variant instead).
+*Unfused products.* On a GPU, NVVM fuses a multiply whose result feeds an add into one
+fused multiply-add, rounded once, where numpy rounds the product and then the sum. Where a
+kernel must equal its numpy twin bit for bit, ``mul_rn(a, b)`` is the float32 product as
+libdevice's ``__fmul_rn``: ``mul.rn.f32``, which PTX never contracts into an FMA.
+
+Simulator: the bit casts and ``mul_rn`` have numpy versions and the block helpers run as they
+are; the warp max does not exist there (kernels that need it have a simulator-runnable variant
+instead).
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ if SIMULATOR:
     def float_to_bits(x):
         return np.array([x], np.float32).view(np.uint32)[0]
 
+    def mul_rn(a, b):
+        return np.float32(a) * np.float32(b)
+
     def warp_max_u32(value):  # pragma: no cover - never reached under the simulator
         raise NotImplementedError("warp_max_u32 needs a GPU (redux.sync)")
 
@@ -60,6 +69,10 @@ else:
     @cuda.jit(device=True, inline=True)
     def float_to_bits(x):
         return uint32(cuda.libdevice.float_as_int(x))
+
+    @cuda.jit(device=True, inline=True)
+    def mul_rn(a, b):
+        return cuda.libdevice.fmul_rn(a, b)    # rounded alone: never fused into an FMA
 
     @intrinsic
     def warp_max_u32(typingctx, value):

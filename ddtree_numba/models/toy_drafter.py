@@ -19,6 +19,7 @@ from numba import cuda, float32, int32, uint64
 
 from ..arrays import host_view
 from ..kernels._device import SIMULATOR, as_device, launch, launch_stream
+from ..kernels._primitives import mul_rn
 
 ROW_THREADS = 128    # threads per block
 # columns of one (request, draft position) row a block writes: a row is a vocabulary wide, and
@@ -80,11 +81,13 @@ def _draft_kernel(continuation, prefix_lens, seed, accuracy, confidence, noise_s
         u = float32(0)
         for k in range(4):
             u += _unit(_hash(seed, b, position, 4 * v + k + 2 * vocab))
-        value = noise_scale * ((u - float32(2)) * float32(SQRT3))
+        # the two products that feed an add are rounded alone (mul_rn): fused into an FMA they
+        # would differ from the numpy twin in the last bit
+        value = mul_rn(noise_scale, (u - float32(2)) * float32(SQRT3))
         if v == guess:
             value += confidence
         elif v == true_token:
-            value += float32(RUNNER_UP) * confidence
+            value += mul_rn(float32(RUNNER_UP), confidence)
         logits[b, d, v] = value
 
 
