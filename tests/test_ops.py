@@ -298,16 +298,13 @@ def test_argmax_first_index_on_ties_and_minus_one_on_padding(rng):
 
 @pytest.mark.parametrize("accuracy", [0.0, 0.6, 1.0])
 def test_draft_logits_follow_the_continuation(accuracy):
-    # on a GPU more rows and a vocabulary of several blocks: about one row in ten has a bonus
-    # logit where a fused multiply-add would differ from the twin in the last bit
-    bs, L, V = (2, 3, 40) if K.SIMULATOR else (4, 8, 5000)
+    bs, L, V = 2, 3, 40
     continuation = np.random.default_rng(1).integers(0, V, (bs, 12)).astype(np.int32)
-    prefix = np.array([0, 9, 2, 3][:bs], np.int32)  # request 1 runs past the continuation
+    prefix = np.array([0, 9], np.int32)             # request 1 runs past the continuation
     logits = np.empty((bs, L, V), np.float32)
-    [(want, got)] = run_both("draft", continuation, prefix, 5, accuracy, 6.0, 1.3, logits,
+    [(want, got)] = run_both("draft", continuation, prefix, 5, accuracy, 6.0, 1.0, logits,
                              outputs=[6])
     np.testing.assert_array_equal(got, want)        # the same hashes and roundings
-    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
     top = got[0].argmax(-1)
     truth = continuation[0, 1:1 + L]
     if accuracy == 1.0:
@@ -315,6 +312,19 @@ def test_draft_logits_follow_the_continuation(accuracy):
     if accuracy == 0.0:
         second = np.argsort(-got[0], axis=-1)[:, :2]
         assert ((second == truth[:, None]).any(axis=1)).all()   # the runner-up bonus
+
+
+def test_draft_logits_equal_the_twin_bit_for_bit_over_many_rows():
+    """About one row in ten has a bonus logit whose sum a fused multiply-add would round
+    differently from the twin: on a GPU, 32 rows of a vocabulary several blocks wide."""
+    bs, L, V = (2, 2, 40) if K.SIMULATOR else (4, 8, 5000)
+    rng = np.random.default_rng(3)
+    continuation = rng.integers(0, V, (bs, 20)).astype(np.int32)
+    prefix = rng.integers(0, 10, bs).astype(np.int32)
+    logits = np.empty((bs, L, V), np.float32)
+    [(want, got)] = run_both("draft", continuation, prefix, 11, 0.5, 6.0, 1.3, logits,
+                             outputs=[6])
+    np.testing.assert_array_equal(got, want)
 
 
 def test_advance_appends_tokens_and_moves_the_state():
