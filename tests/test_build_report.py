@@ -56,6 +56,22 @@ def test_every_kernel_compiles_for_sm120_and_sm90(report_rows):
             assert row["spill_stores"] == row["spill_loads"] == row["stack"] == 0, row
 
 
+def test_a_kernel_linked_twice_reports_the_same_figures():
+    """On a machine with a GPU, nvJitLink's cache answered a second link of the same code
+    with a log missing ptxas' report (the link must not use the cache)."""
+    code = textwrap.dedent("""
+        import json
+        from ddtree_numba.build_report import kernel_specs, report_row
+        spec = next(s for s in kernel_specs() if (s.stage, s.variant) == ("step", "advance"))
+        print(json.dumps([report_row(spec, (9, 0)), report_row(spec, (9, 0))]))
+    """)
+    done = run_real_target([], code)
+    assert done.returncode == 0, done.stderr[-4000:]
+    first, second = json.loads(done.stdout)
+    assert first["problems"] == [] and first["registers"] > 0
+    assert second == first
+
+
 def test_tensor_core_kernels_link_their_wrappers_away(report_rows):
     """The mma variant links tensor_core.cu by LTO: its SASS holds the products (HMMA) and the
     shared-matrix loads (LDSM), no local memory, and at most 4 CALLs in the whole kernel (the
