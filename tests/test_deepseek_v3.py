@@ -16,6 +16,10 @@ from ddtree_numba.models.deepseek_v3 import reference as ref
 from ddtree_numba.models.deepseek_v3.checkpoint import dequantize_fp8
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "deepseek_v3_tiny")
+#: the checkpoints transformers wrote (tests/fixture_scripts/make_deepseek_v3_fixture.py): with
+#: and without the query LoRA (YaRN, a dense layer then grouped MoE), and every layer dense
+#: without RoPE scaling, in several safetensors files
+GOLDEN = ["q_lora", "no_q_lora", "dense_no_yarn"]
 
 #: The architecture fields of DeepSeek-V3's and Kimi-K2's released config.json files.
 DEEPSEEK_V3 = {
@@ -174,11 +178,12 @@ def test_checkpoint_errors_name_the_problem(tmp_path):
 
 # -- the reference forward against transformers ------------------------------------------------
 
-@pytest.mark.parametrize("name", ["q_lora", "no_q_lora"])
+@pytest.mark.parametrize("name", GOLDEN)
 def test_reference_forward_equals_transformers(name):
     """Logits of two sequences of 12 tokens (causal), float64, against transformers' eager
     float64 forward of the same checkpoint: MLA with and without the query LoRA, YaRN RoPE
-    (interleaved), the dense first layer, the group-limited sigmoid router, shared experts.
+    (interleaved) and plain RoPE, dense layers, the group-limited sigmoid router, shared
+    experts; one checkpoint sharded.
 
     The bound: transformers keeps four steps in float32 in a float64 model (RMSNorm, the RoPE
     frequencies with their cos and sin, the router, the attention softmax): the stored logits
@@ -249,7 +254,7 @@ def chain_tree(tokens):
                            num_nodes=as_device(np.full(bs, N, np.int32)))
 
 
-@pytest.mark.parametrize("name", ["q_lora", "no_q_lora"])
+@pytest.mark.parametrize("name", GOLDEN)
 @pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("moe", ["dense", "gathered"])
 def test_absorbed_forward_equals_transformers(name, weight_dtype, moe):
@@ -391,7 +396,7 @@ def test_router_refuses_configs_it_cannot_follow(change, message):
 
 @pytest.mark.parametrize("name, cache_dtype, budget", [
     ("q_lora", "float32", 8), ("no_q_lora", "bfloat16", 8), ("q_lora", "float32", 0),
-    ("no_q_lora", "float32", 1)])
+    ("no_q_lora", "float32", 1), ("dense_no_yarn", "float32", 8)])
 def test_greedy_step_on_the_deepseek_v3_target_is_lossless(name, cache_dtype, budget):
     """GreedyStep around the absorbed-form target (``kernels.verify_attn`` over the paged
     latent cache) emits exactly the plain-form reference's greedy decoding of the checkpoint."""

@@ -6,7 +6,7 @@ logits stored here.
 
 For each variant this writes ``tests/fixtures/deepseek_v3_tiny/<variant>/``:
 
-* ``config.json`` and ``model.safetensors`` (float32), from ``save_pretrained``; routed experts are
+* ``config.json`` and the weights (float32), from ``save_pretrained``; routed experts are
   stored one matrix per expert (``mlp.experts.<e>.{gate,up,down}_proj.weight``), as on the Hub;
 * ``generation_config.json``, also from ``save_pretrained``;
 * ``expected.npz``:
@@ -31,12 +31,14 @@ The variants:
 
 * ``q_lora``: 3 layers (layer 0 dense, layers 1-2 MoE), query through the LoRA pair
   ``q_a_proj -> q_a_layernorm -> q_b_proj``;
-* ``no_q_lora``: 2 layers (layer 0 dense, layer 1 MoE), query through one ``q_proj``.
+* ``no_q_lora``: 2 layers (layer 0 dense, layer 1 MoE), query through one ``q_proj``;
+* ``dense_no_yarn``: 2 dense layers, the query LoRA, rotary embeddings without scaling, saved
+  in several files (``model-0000k-of-0000n.safetensors`` and ``model.safetensors.index.json``).
 
-Both use YaRN rotary scaling, interleaved rotary weights, grouped top-k routing with a score
-correction bias, one shared expert and untied embeddings. The script is deterministic: run it again
-and the files come out the same. Run it from the repository root, with a Python environment that
-has torch, transformers, safetensors and numpy::
+The first two use YaRN rotary scaling, grouped top-k routing with a score correction bias and
+one shared expert; all three interleaved rotary weights and untied embeddings. The script is
+deterministic: run it again and the files come out the same. Run it from the repository root,
+with a Python environment that has torch, transformers, safetensors and numpy::
 
     /path/to/venv/bin/python tests/fixture_scripts/make_deepseek_v3_fixture.py
 """
@@ -116,7 +118,13 @@ BASE_CONFIG = dict(
 VARIANTS = {
     "q_lora": dict(q_lora_rank=24, num_hidden_layers=3),
     "no_q_lora": dict(q_lora_rank=None, num_hidden_layers=2),
+    # every layer dense, RoPE without scaling (the softmax scale without YaRN's mscale)
+    "dense_no_yarn": dict(q_lora_rank=24, num_hidden_layers=2, first_k_dense_replace=2,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }
+# variants saved in several safetensors files with a model.safetensors.index.json, as the Hub
+# ships large checkpoints (the other variants: one model.safetensors)
+SHARDED = {"dense_no_yarn": "40KB"}
 
 
 def randomize_weights(model: DeepseekV3ForCausalLM, generator: torch.Generator) -> None:
@@ -178,6 +186,8 @@ def routing_margin(model: DeepseekV3ForCausalLM, input_ids: torch.Tensor) -> flo
         gaps.append((best.values[:, -2] - best.values[:, -1]).min())
 
     routers = [m for m in model.modules() if isinstance(m, DeepseekV3TopkRouter)]
+    if not routers:  # dense layers only: no routing decision to keep away from a tie
+        return float("inf")
     hooks = [router.register_forward_hook(record_gaps) for router in routers]
     try:
         with torch.no_grad():
@@ -192,7 +202,7 @@ def make_variant(name: str, overrides: dict) -> None:
     out = OUT_DIR / name
     out.mkdir(parents=True, exist_ok=True)
 
-    config = DeepseekV3Config(**BASE_CONFIG, **overrides)
+    config = DeepseekV3Config(**{**BASE_CONFIG, **overrides})
     torch.manual_seed(SEED)  # the constructor's own init; every weight is overwritten below
     model = DeepseekV3ForCausalLM(config).eval()
     randomize_weights(model, torch.Generator().manual_seed(SEED))
@@ -202,7 +212,10 @@ def make_variant(name: str, overrides: dict) -> None:
 
     margin = routing_margin(model, input_ids)
     assert margin > MIN_ROUTING_MARGIN, f"{name}: routing margin {margin:.1e}, try another SEED"
-    model.save_pretrained(out, safe_serialization=True)
+    if name in SHARDED:
+        model.save_pretrained(out, safe_serialization=True, max_shard_size=SHARDED[name])
+    else:
+        model.save_pretrained(out, safe_serialization=True)
 
     logits32, _ = forward(model, input_ids)
     logits64, attn_out64 = forward(model.double(), input_ids)
