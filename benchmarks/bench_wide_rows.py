@@ -1,7 +1,7 @@
-"""Benchmark: the step's argmax and the toy drafter at DeepSeek-V3's vocabulary (V 163 840),
-each row a whole vocabulary wide: device time of one graph replay (no L2 flush, as
-``bench_deepseek_step``'s stages), and each result checked against its twin (numpy's argmax,
-``HostDraftOps``). Writes ``$OUT/wide_rows.csv``. Usage: ``python3 bench_wide_rows.py``.
+"""Benchmark: the step's argmax and the toy drafter at Kimi-K2's and Moonlight's vocabulary
+(V 163 840), each row a whole vocabulary wide: device time of one graph replay (no L2 flush,
+as ``bench_deepseek_step``'s stages), and each result checked against its twin (numpy's
+argmax, ``HostDraftOps``). Writes ``$OUT/wide_rows.csv``. Usage: ``python3 bench_wide_rows.py``.
 """
 
 from __future__ import annotations

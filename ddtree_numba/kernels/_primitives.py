@@ -42,6 +42,7 @@ from ._device import SIMULATOR
 
 SIGN = uint32(0x80000000)
 ALL_BITS = uint32(0xFFFFFFFF)
+FULL_MASK = 0xFFFFFFFF                      # every lane of a warp takes part in a shuffle
 
 if SIMULATOR:
 

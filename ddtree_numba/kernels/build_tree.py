@@ -69,7 +69,7 @@ from ..contracts import DraftTree
 from ..limits import MAX_DEPTH, MAX_NODES, MAX_WORDS, ceil_words
 from ..validation import check_build_tree
 from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream, resolve_variant
-from ._primitives import float_of_key, key_of_float, warp_max_u32
+from ._primitives import FULL_MASK, float_of_key, key_of_float, warp_max_u32
 
 NODE_CAPACITY = MAX_NODES           # 1056 = 32 lanes x 33 nodes
 GROUP = NODE_CAPACITY // 32         # nodes owned by one lane in the warp tournament (33)
@@ -78,7 +78,6 @@ SELECT_THREADS = 128                # warp variant: 1 warp pops, 4 warps set up 
 FINISH_ROWS = 32                    # tree rows per block of the finish kernel
 FINISH_THREADS = 32 if SIMULATOR else 128   # the simulator runs one Python thread per thread
 NEG_INF = float32(-np.inf)
-FULL_MASK = 0xFFFFFFFF
 
 
 # ------------------------------------------------------------------------------------------

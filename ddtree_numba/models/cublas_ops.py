@@ -128,9 +128,7 @@ class CublasDenseOps(KernelDenseOps):
         weakref.finalize(self, lib.cublasDestroy_v2, self._handle)
         _check(lib.cublasSetPointerMode_v2(self._handle, CUBLAS_POINTER_MODE_HOST),
                "cublasSetPointerMode")
-        self._workspace = cuda.device_array(WORKSPACE_BYTES, np.uint8)
-        _check(lib.cublasSetWorkspace_v2(self._handle, data_address(self._workspace),
-                                         WORKSPACE_BYTES), "cublasSetWorkspace")
+        self._workspace = cuda.device_array(WORKSPACE_BYTES, np.uint8)   # set with the stream
         self._one = np.ones(1, np.float32)                  # alpha, beta: host scalars, read
         self._zero = np.zeros(1, np.float32)                # when a call is made or captured
         # (T, width) -> uint16 buffer. One per shape: graphs of the same shape share it, so

@@ -8,7 +8,7 @@ knob for how often the drafter agrees with the target, not a model.
 
 The logits are a pure function of ``(seed, request, position, token)`` through a 32-bit hash,
 computed by a numba.cuda kernel (:class:`KernelDraftOps`) or its numpy twin
-(:class:`HostDraftOps`, bit for bit the same hashes), so a run is reproducible on any device.
+(:class:`HostDraftOps`, bit for bit the same logits), so a run is reproducible on any device.
 :class:`FixedDrafter` replays given logits (the reference step and the tests use it).
 """
 
@@ -21,12 +21,13 @@ from ..arrays import host_view
 from ..kernels._device import SIMULATOR, as_device, launch, launch_stream
 from ..kernels._primitives import mul_rn
 
-ROW_THREADS = 128    # threads per block
-# columns of one (request, draft position) row a block writes: a row is a vocabulary wide, and
-# one block per row left all but bs L SMs idle (8 blocks took 141 us for 8 rows of 163 840 on
-# the H200). The simulator's tests have tiny vocabularies: small chunks there, so that they
-# cover several chunks and a partial last one.
+# CHUNK: columns of one (request, draft position) row a block writes. A row is a vocabulary
+# wide, and one block per row left all but bs L SMs idle (8 blocks took about 140 us for 8 rows
+# of 163 840 on the H200). The simulator's tests have tiny vocabularies: small chunks there, so
+# that they cover several chunks and a partial last one, and as many threads (one Python thread
+# each) as a chunk has columns.
 CHUNK = 16 if SIMULATOR else 4096
+ROW_THREADS = 16 if SIMULATOR else 128      # threads per block
 
 MASK32 = 0xFFFFFFFF
 SQRT3 = 1.7320508075688772
@@ -125,10 +126,13 @@ class HostDraftOps:
             u += _unit_host(_hash_host(seed, b[..., None], position[..., None],
                                        4 * v + k + 2 * vocab))
         value = np.float32(noise_scale) * ((u - np.float32(2)) * np.float32(SQRT3))
-        bonus = np.where(v == guess[..., None], np.float32(confidence),
-                         np.where(v == true_token[..., None],
-                                  np.float32(RUNNER_UP) * np.float32(confidence), 0))
-        out[:] = value + bonus.astype(np.float32)
+        # the kernel adds a bonus at the guess and at the true token only (elsewhere the noise
+        # stays as it is, a -0.0 included)
+        is_guess = v == guess[..., None]
+        is_true = v == true_token[..., None]
+        out[:] = np.where(is_guess, value + np.float32(confidence),
+                          np.where(is_true, value + np.float32(RUNNER_UP) * np.float32(confidence),
+                                   value))
 
 
 def _mix_host(h):

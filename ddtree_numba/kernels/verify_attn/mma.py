@@ -92,6 +92,7 @@ from numba.cuda import float32x4
 
 from .. import tensor_core as tc
 from .._device import SIMULATOR
+from .._primitives import FULL_MASK
 from .readable import NEG_INF
 from .splits import prefix_split_slots
 
@@ -106,7 +107,6 @@ BLOCKS_PER_SM = 1   # launch bounds: up to 255 registers (222 on sm_90; 128 woul
 RESCALE_BELOW = 8.0     # the reference max of a row moves only when a score passes it by
                         # more than this (base 2): probabilities up to 2^8, rare rescales
 P_STRIDE = BN + 8   # probability tile row stride in 16-bit values (80 bytes: see below)
-FULL_MASK = 0xFFFFFFFF
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 _ffi = cffi.FFI()

@@ -93,10 +93,9 @@ from numba.cuda import float32x4
 
 from ...limits import MAX_DC
 from .._device import SIMULATOR
-from .._primitives import bits_to_float, float_to_bits
+from .._primitives import FULL_MASK, bits_to_float, float_to_bits
 from .readable import NEG_INF, _make_widen, _visible
 
-FULL_MASK = 0xFFFFFFFF
 TILED_THREADS = 256     # 8 warps
 BM = 32                 # query rows per block
 QUADS = BM // 4         # row quads: 4 rows of P^T in one float32x4
