@@ -241,6 +241,42 @@ def test_cublas_linear_equals_the_twin(rng, weights, groups, residual):
 
 
 @pytest.mark.gpu
+def test_cublas_handle_follows_the_stream_and_is_captured_after_eager_use(rng):
+    """One cuBLAS handle on the legacy stream, then on a stream of its own, then captured into
+    a CUDA graph on a third, as a step's warm-up then capture does. cublasSetStream resets a
+    handle's workspace to cuBLAS's pool; the backend sets its own again at every change of
+    stream, so the captured product allocates nothing. Each result equals the twin."""
+    import cupy as cp
+
+    from ddtree_numba import kernels as K
+    from ddtree_numba.models.cublas_ops import CublasDenseOps
+
+    T, d_in, d_out = 19, 40, 24
+    x = rng.standard_normal((T, d_in)).astype(np.float32)
+    w = rng.standard_normal((1, d_in, d_out)).astype(np.float32)
+    want = np.empty((T, d_out), np.float32)
+    HostDenseOps().linear(x, w, want)
+    ops, dx, dw = CublasDenseOps(), as_device(x), as_device(w)
+    outs = [as_device(np.full((T, d_out), np.nan, np.float32)) for _ in range(3)]
+    ops.linear(dx, dw, outs[0])                         # the legacy default stream
+    own = cuda.stream()
+    with K.use_stream(own):
+        ops.linear(dx, dw, outs[1])
+    own.synchronize()
+    capturing = cp.cuda.Stream(non_blocking=True)
+    capturing.begin_capture()
+    try:
+        with K.use_stream(capturing):
+            ops.linear(dx, dw, outs[2])
+    finally:
+        graph = capturing.end_capture()
+    graph.launch(capturing)
+    capturing.synchronize()
+    for out in outs:
+        close(want, out.copy_to_host())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("weights", ["float32", "bfloat16"])
 @pytest.mark.parametrize("shared", [True, False])
 def test_cublas_linear_batched_equals_the_twin(rng, weights, shared):
