@@ -250,6 +250,34 @@ def test_levels_kernel_bit_exact_past_the_small_sizes():
                                     variant="levels"), want)
 
 
+@pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated warp intrinsics")
+@pytest.mark.parametrize("case", ["random", "ties", "neg_inf", "edges"])
+def test_warp_select_on_emulated_warp_intrinsics(monkeypatch, case):
+    """The GPU's fast path (one warp pops with redux, ballot and shuffles; the block sets up
+    and writes out) on the simulator, through emulated warp intrinsics: bit-exact to the
+    reference, as on the GPU."""
+    import importlib
+
+    from simulated_warp import emulated_shuffles, warp_max_u32
+
+    module = importlib.import_module("ddtree_numba.kernels.build_tree")   # not the function
+    monkeypatch.setattr(module, "warp_max_u32", warp_max_u32)
+    monkeypatch.setattr(module, "resolve_variant", lambda variant, **_: variant)
+    rng = np.random.default_rng(["random", "ties", "neg_inf", "edges"].index(case))
+    if case == "edges":                             # budget 0 and 1, K = 1, L = 1, no prefix
+        cases = [random_tree_inputs(rng, bs=2, **kw) for kw in (
+            dict(budget=0), dict(budget=1), dict(K=1, budget=12), dict(L=1, K=8, budget=8))]
+        cases[-1] = (*cases[-1][:4], None)
+    else:
+        cases = [random_tree_inputs(rng, bs=2, budget=40, ties=case == "ties",
+                                    neg_inf=0.3 if case == "neg_inf" else 0.0)]
+    with emulated_shuffles():
+        for lp, ids, roots, budget, prefix in cases:
+            want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
+            assert_trees_equal(K.build_tree(lp, ids, roots, budget, prefix_lens=prefix,
+                                            variant="warp"), want)
+
+
 def test_levels_kernel_unchecked_positive_log_probs_stay_in_bounds():
     """Log-probs > 0 (refused when checked) break the rule that a child scores no higher
     than its parent; unchecked, the tree is wrong but no index leaves its array (the
