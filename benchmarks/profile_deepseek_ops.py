@@ -19,7 +19,7 @@ import time
 import cupy as cp
 import numpy as np
 from bench_deepseek_step import make_step, random_model
-from harness import Bench, print_table
+from harness import Bench, copy_bandwidth_gbs, print_table
 
 from ddtree_numba.models.deepseek_v3.target import DeepseekV3Target
 
@@ -69,10 +69,7 @@ def main():
     del tensors
     print(f"model: {LAYERS} layers at Moonlight-16B-A3B's sizes, loaded in "
           f"{time.perf_counter() - t0:.0f} s")
-    copy_src = cp.empty(1 << 28, cp.float32)
-    copy_dst = cp.empty_like(copy_src)
-    copy = bench.time_device(lambda: copy_dst.__setitem__(Ellipsis, copy_src), reps=20)
-    copy_gbs = 2 * copy_src.nbytes / copy["ms"] / 1e6          # read + write
+    copy_gbs = copy_bandwidth_gbs(bench, 1 << 30)              # read + write
     print(f"copy bandwidth: {copy_gbs:.0f} GB/s")
     ops = RecordingOps(target.ops)
     target.ops = ops
@@ -88,13 +85,14 @@ def main():
                                                                               *args)))
             return DeepseekV3Target.attend(target, layer, *args)
 
+        target_forward = dict(step.stages())["target_forward"]
         ops.calls, ops.recording = calls, True
         target.attend = recording_attend
-        step._target_forward()
+        target_forward()
         ops.recording = False
         del target.attend
         cp.cuda.Device().synchronize()
-        forward = bench.time_device(step._target_forward, reps=20, flush=False)["ms"] * 1e3
+        forward = bench.time_device(target_forward, reps=20, flush=False)["ms"] * 1e3
         total, total_bytes = 0.0, 0
         T = step.tree.token_ids.size
         for index, (name, args, replay) in enumerate(calls):

@@ -22,7 +22,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     # about 10 minutes with 16 workers: two halves of about 5, the three files of whole steps
     # (half of the time) and the rest, so that each fits a machine's 10-minute command limit
     steps="tests/test_greedy_step.py tests/test_sampled_step.py tests/test_examples.py"
-    rest=$(ls tests/test_*.py | grep -v -E "test_greedy_step|test_sampled_step|test_examples")
+    rest=$(ls tests/test_*.py | grep -v -x -F "$(tr ' ' '\n' <<< "$steps")")
     for part in "$steps" "$rest"; do
         # shellcheck disable=SC2086  # the file lists are meant to split into arguments
         DDTREE_GPU=1 timeout 570 python3 -m pytest -n 16 -q -p no:cacheprovider $part 2>&1 \

@@ -26,6 +26,7 @@ it. As on the GPU with a full mask:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import threading
 
 import numpy as np
@@ -34,7 +35,6 @@ WARP = 32
 TIMEOUT_S = 120
 
 _lock = threading.Lock()
-_warps: dict = {}          # (block manager, block index, warp) -> (slots, barrier)
 
 
 def _exchange(value, source_lane):
@@ -46,17 +46,16 @@ def _exchange(value, source_lane):
 def _gather(value, pick):
     """Every lane writes ``value``; each gets ``pick(slots, lane, lanes)`` of the warp's."""
     thread = threading.current_thread()
-    manager = thread._manager                                   # the simulator's block runner
+    manager = thread._manager               # the simulator's runner of this block (one a block)
     dims = manager._block_dim
     threads = dims[0] * dims[1] * dims[2]
     warp, lane = divmod(thread.thread_id, WARP)
     lanes = min(WARP, threads - warp * WARP)                    # a last warp may be partial
-    block = (thread.blockIdx.x, thread.blockIdx.y, thread.blockIdx.z)
-    with _lock:
-        key = (id(manager), block, warp)
-        if key not in _warps:
-            _warps[key] = ([None] * lanes, threading.Barrier(lanes, timeout=TIMEOUT_S))
-        slots, barrier = _warps[key]
+    with _lock:                             # the block's warps: warp -> (slots, barrier)
+        warps = manager.__dict__.setdefault("_emulated_warps", {})
+        if warp not in warps:
+            warps[warp] = ([None] * lanes, threading.Barrier(lanes, timeout=TIMEOUT_S))
+        slots, barrier = warps[warp]
     slots[lane] = value
     barrier.wait()                                              # every lane's value written
     result = pick(slots, lane, lanes)
@@ -104,4 +103,14 @@ def emulated_shuffles():
     finally:
         for name in added:
             delattr(FakeCUDAModule, name)
-        _warps.clear()
+
+
+def take_gpu_variant(monkeypatch, module_name: str) -> None:
+    """Let the launchers of ``module_name`` launch the GPU variant asked for on the simulator
+    (its ``resolve_variant`` refuses it there) and, where the module uses the ``redux.sync``
+    max, use the emulated one. Together with :func:`emulated_shuffles`."""
+    module = importlib.import_module(module_name)           # the module, not a same-named name
+    monkeypatch.setattr(module, "resolve_variant", lambda variant, **_: variant)
+    if hasattr(module, "warp_max_u32"):
+        monkeypatch.setattr(module, "warp_max_u32", warp_max_u32)
+

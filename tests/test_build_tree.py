@@ -256,13 +256,9 @@ def test_warp_select_on_emulated_warp_intrinsics(monkeypatch, case):
     """The GPU's fast path (one warp pops with redux, ballot and shuffles; the block sets up
     and writes out) on the simulator, through emulated warp intrinsics: bit-exact to the
     reference, as on the GPU."""
-    import importlib
+    from simulated_warp import emulated_shuffles, take_gpu_variant
 
-    from simulated_warp import emulated_shuffles, warp_max_u32
-
-    module = importlib.import_module("ddtree_numba.kernels.build_tree")   # not the function
-    monkeypatch.setattr(module, "warp_max_u32", warp_max_u32)
-    monkeypatch.setattr(module, "resolve_variant", lambda variant, **_: variant)
+    take_gpu_variant(monkeypatch, "ddtree_numba.kernels.build_tree")
     rng = np.random.default_rng(["random", "ties", "neg_inf", "edges"].index(case))
     if case == "edges":                             # budget 0 and 1, K = 1, L = 1, no prefix
         cases = [random_tree_inputs(rng, bs=2, **kw) for kw in (

@@ -248,7 +248,6 @@ def test_cublas_handle_follows_the_stream_and_is_captured_after_eager_use(rng):
     stream, so the captured product allocates nothing. Each result equals the twin."""
     import cupy as cp
 
-    from ddtree_numba import kernels as K
     from ddtree_numba.models.cublas_ops import CublasDenseOps
 
     T, d_in, d_out = 19, 40, 24

@@ -95,6 +95,9 @@ def _round_to_bf16_kernel(x, out):
         out[t, c] = bfloat16_bits(x[t, c])
 
 
+ADDRESS_THREADS = 128     # _pair_addresses_kernel: one thread per (token, expert) pair
+
+
 @cuda.jit
 def _pair_addresses_kernel(experts, w_base, w_bytes, x_base, x_bytes, x_per_pair, out_base,
                            out_bytes, addresses):
@@ -221,13 +224,12 @@ class CublasDenseOps(KernelDenseOps):
         if pairs not in self._addresses:
             self._addresses[pairs] = cuda.device_array((3, pairs), np.uint64)
         addresses = self._addresses[pairs]
-        item = 2 if data_type == CUDA_R_16BF else 4
-        threads = 128
-        launch(_pair_addresses_kernel, (pairs + threads - 1) // threads, threads,
-               launch_stream())(experts, np.uint64(data_address(w)),
-                                np.uint64(d_in * d_out * item), np.uint64(data_address(x)),
-                                np.uint64(d_in * item), per_pair,
-                                np.uint64(data_address(out)), np.uint64(d_out * 4), addresses)
+        # a matrix's and a row's bytes: the leading strides (every operand is C-contiguous)
+        launch(_pair_addresses_kernel, (pairs + ADDRESS_THREADS - 1) // ADDRESS_THREADS,
+               ADDRESS_THREADS, launch_stream())(
+            experts, np.uint64(data_address(w)), np.uint64(w.strides[0]),
+            np.uint64(data_address(x)), np.uint64(x.strides[0]), per_pair,
+            np.uint64(data_address(out)), np.uint64(out.strides[0]), addresses)
         base = data_address(addresses)
         self._set_stream()
         _check(self._lib.cublasGemmBatchedEx(
@@ -248,4 +250,4 @@ def build_specs():
                        (types.float32[:, ::1], types.uint16[:, ::1]), ROW_THREADS, True),
             KernelSpec("cublas_ops", "pair addresses", _pair_addresses_kernel,
                        (types.int32[:, ::1], u8, u8, u8, u8, types.boolean, u8, u8,
-                        types.uint64[:, ::1]), 128, True)]
+                        types.uint64[:, ::1]), ADDRESS_THREADS, True)]
