@@ -274,6 +274,30 @@ def test_warp_select_on_emulated_warp_intrinsics(monkeypatch, case):
                                             variant="warp"), want)
 
 
+@pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated shuffles")
+def test_levels_kernel_with_its_gpu_scan_and_sort_on_emulated_shuffles(monkeypatch):
+    """The levels select with the block scan and the sort it takes on a GPU (warp shuffles),
+    run on the simulator through emulated shuffles: bit-exact on random rows, ties and -inf,
+    and past the small sizes (several chunks a round, sorts longer than the block)."""
+    from simulated_warp import emulated_shuffles
+
+    from ddtree_numba.kernels import build_tree_levels
+    from ddtree_numba.kernels._primitives import _bitonic_sort_gpu, _warp_shuffle_scan
+
+    monkeypatch.setattr(build_tree_levels, "block_inclusive_scan", _warp_shuffle_scan)
+    monkeypatch.setattr(build_tree_levels, "bitonic_sort_desc", _bitonic_sort_gpu)
+    rng = np.random.default_rng(77)
+    cases = [random_tree_inputs(rng, ties=seed % 2 == 0, neg_inf=0.3 if seed == 3 else 0.0)
+             for seed in range(4)]
+    lp, ids = random_topk(rng, 1, 4, 16, V=40, peaked=True)
+    cases.append((lp, ids, np.array([7], np.int32), 100, np.array([100], np.int32)))
+    with emulated_shuffles():
+        for lp, ids, roots, budget, prefix in cases:
+            want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
+            assert_trees_equal(K.build_tree(lp, ids, roots, budget, prefix_lens=prefix,
+                                            variant="levels"), want)
+
+
 def test_levels_kernel_unchecked_positive_log_probs_stay_in_bounds():
     """Log-probs > 0 (refused when checked) break the rule that a child scores no higher
     than its parent; unchecked, the tree is wrong but no index leaves its array (the

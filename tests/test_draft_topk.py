@@ -112,6 +112,28 @@ def test_split_rows_equal_the_reference(case, parts):
     check_kernel(x, k, parts)
 
 
+@pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated shuffles")
+def test_kernel_with_its_gpu_scan_and_sort_on_emulated_shuffles(monkeypatch):
+    """draft_topk with the block scan and the sort it takes on a GPU (warp shuffles), run on
+    the simulator through emulated shuffles: ids exact, log-probs within the bound, whole and
+    split rows, sorts within and past the block's length."""
+    import importlib
+
+    from simulated_warp import emulated_shuffles
+
+    from ddtree_numba.kernels._primitives import _bitonic_sort_gpu, _warp_shuffle_scan
+
+    module = importlib.import_module("ddtree_numba.kernels.draft_topk")   # not the function
+    monkeypatch.setattr(module, "block_inclusive_scan", _warp_shuffle_scan)
+    monkeypatch.setattr(module, "bitonic_sort_desc", _bitonic_sort_gpu)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, 2, 96)).astype(np.float32)
+    x[0, 1, ::2] = np.round(x[0, 1, ::2])               # ties
+    with emulated_shuffles():
+        for k, parts in ((12, 1), (40, 1), (12, 3)):      # 40: 64 candidates > 32 threads
+            check_kernel(x, k, parts)
+
+
 def test_split_row_with_an_empty_slice():
     """V = 9 in 4 parts of 3: the fourth slice is empty and contributes nothing."""
     x = np.random.default_rng(3).standard_normal((1, 2, 9)).astype(np.float32)

@@ -1,10 +1,22 @@
-"""Block-wide helpers of kernels._primitives: one tree reduction for every operator."""
+"""Block-wide helpers of kernels._primitives: one tree reduction for every operator; the block
+scan and the bitonic sort (shared memory on the simulator; warp shuffles on a GPU) with the
+block sizes and lengths the kernels call them with. On the simulator the GPU versions run too,
+on emulated shuffles (``simulated_warp``)."""
 
 import numpy as np
 import pytest
-from numba import cuda, float32, uint32
+from numba import cuda, float32, int32, uint32, uint64
 
-from ddtree_numba.kernels._primitives import block_max, block_sum, make_block_reduce
+from ddtree_numba import kernels as K
+from ddtree_numba.kernels._primitives import (
+    _bitonic_sort_gpu,
+    _warp_shuffle_scan,
+    bitonic_sort_desc,
+    block_inclusive_scan,
+    block_max,
+    block_sum,
+    make_block_reduce,
+)
 
 T = 128                     # a block of 128 threads, as device_ops' row kernels launch
 
@@ -61,3 +73,115 @@ def test_make_block_reduce_takes_any_operator(seed):
     out = np.zeros(32, np.float32)
     _min_kernel[1, 32](values, out)
     assert (out == values.min()).all()
+
+
+SCAN_CAP = 1024
+
+
+@cuda.jit
+def _scan_kernel(values, inclusive, totals):
+    scratch = cuda.shared.array(SCAN_CAP, int32)
+    tid = cuda.threadIdx.x
+    T = cuda.blockDim.x
+    for rep in range(2):                    # twice in a row: scratch is reused at once
+        inc, total = block_inclusive_scan(scratch, values[rep, tid], tid, T)
+        inclusive[rep, tid] = inc
+        totals[rep, tid] = total
+
+
+@pytest.mark.parametrize("T", [32, 64] if K.SIMULATOR else [32, 64, 256, 512, 1024])
+def test_block_inclusive_scan_every_block_size(T):
+    values = np.random.default_rng(T).integers(-5, 1000, (2, T)).astype(np.int32)
+    values[1, T // 2:] = 0                  # zeros, as counts of parents with no child
+    inclusive = np.zeros((2, T), np.int32)
+    totals = np.zeros((2, T), np.int32)
+    _scan_kernel[1, T](values, inclusive, totals)
+    np.testing.assert_array_equal(inclusive, np.cumsum(values, axis=1))
+    np.testing.assert_array_equal(totals, np.repeat(values.sum(1, keepdims=True), T, axis=1))
+
+
+SORT_CAP = 2048
+
+
+@cuda.jit
+def _sort_kernel(keys, n):
+    buffer = cuda.shared.array(SORT_CAP, uint64)
+    tid = cuda.threadIdx.x
+    for i in range(tid, n, cuda.blockDim.x):
+        buffer[i] = keys[i]
+    cuda.syncthreads()
+    bitonic_sort_desc(buffer, n, tid, cuda.blockDim.x)
+    for i in range(tid, n, cuda.blockDim.x):
+        keys[i] = buffer[i]
+
+
+@pytest.mark.parametrize("n,T", [(1, 32), (16, 32), (64, 32)] if K.SIMULATOR else
+                         [(1, 32), (16, 32), (32, 32), (64, 32), (8, 512), (256, 512),
+                          (512, 512), (1024, 1024), (2048, 1024), (128, 1024)])
+def test_bitonic_sort_desc_every_length(n, T):
+    """Lengths up to the block (registers and shuffles on a GPU) and past it (shared memory);
+    ties and zeros (the kernels' "no key") included."""
+    rng = np.random.default_rng(n + T)
+    keys = rng.integers(0, 2**64, n, dtype=np.uint64)   # the top bit too (int64 shuffles)
+    keys[: n // 4] = keys[n // 4: n // 2]           # ties
+    keys[n - n // 8:] = 0
+    want = np.sort(keys)[::-1]
+    _sort_kernel[1, T](keys, n)
+    np.testing.assert_array_equal(keys, want)
+
+
+# -- the GPU versions on the simulator, through emulated warp shuffles -----------------------
+
+@cuda.jit
+def _warp_scan_kernel(values, inclusive, totals):
+    scratch = cuda.shared.array(SCAN_CAP, int32)
+    tid = cuda.threadIdx.x
+    T = cuda.blockDim.x
+    for rep in range(2):
+        inc, total = _warp_shuffle_scan(scratch, values[rep, tid], tid, T)
+        inclusive[rep, tid] = inc
+        totals[rep, tid] = total
+
+
+@cuda.jit
+def _gpu_sort_kernel(keys, n):
+    buffer = cuda.shared.array(SORT_CAP, uint64)
+    tid = cuda.threadIdx.x
+    for i in range(tid, n, cuda.blockDim.x):
+        buffer[i] = keys[i]
+    cuda.syncthreads()
+    _bitonic_sort_gpu(buffer, n, tid, cuda.blockDim.x)
+    for i in range(tid, n, cuda.blockDim.x):
+        keys[i] = buffer[i]
+
+
+@pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated shuffles")
+@pytest.mark.parametrize("T", [32, 96])
+def test_warp_shuffle_scan_on_emulated_shuffles(T):
+    from simulated_warp import emulated_shuffles
+
+    values = np.random.default_rng(T).integers(-5, 1000, (2, T)).astype(np.int32)
+    values[1, T // 3:] = 0
+    inclusive = np.zeros((2, T), np.int32)
+    totals = np.zeros((2, T), np.int32)
+    with emulated_shuffles():
+        _warp_scan_kernel[1, T](values, inclusive, totals)
+    np.testing.assert_array_equal(inclusive, np.cumsum(values, axis=1))
+    np.testing.assert_array_equal(totals, np.repeat(values.sum(1, keepdims=True), T, axis=1))
+
+
+@pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated shuffles")
+@pytest.mark.parametrize("n,T", [(1, 32), (8, 32), (32, 32), (64, 64), (128, 64)])
+def test_gpu_bitonic_sort_on_emulated_shuffles(n, T):
+    """Registers and shuffles up to the block's length (the steps of stride 32 and more through
+    shared memory at n = 64), the shared-memory network past it."""
+    from simulated_warp import emulated_shuffles
+
+    rng = np.random.default_rng(n + T)
+    keys = rng.integers(0, 2**64, n, dtype=np.uint64)
+    keys[: n // 4] = keys[n // 4: n // 2]
+    keys[n - n // 8:] = 0
+    want = np.sort(keys)[::-1]
+    with emulated_shuffles():
+        _gpu_sort_kernel[1, T](keys, n)
+    np.testing.assert_array_equal(keys, want)

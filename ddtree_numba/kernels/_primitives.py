@@ -20,8 +20,32 @@ a block (``T`` a power of two) in a shared array ``red`` of at least ``T`` eleme
 binary device function ``op``: ``block_sum`` and ``block_max`` are two of them. Every thread of
 the block must call it and gets the result; it ends with a barrier, so ``red`` may be reused at
 once. The ``log2 T`` levels each combine ``red[tid]`` and ``red[tid + half]`` (the same order
-for every call: a float sum is deterministic). ``block_inclusive_scan`` is the Hillis-Steele
-prefix sum of one int32 per thread.
+for every call: a float sum is deterministic).
+
+*Block scan.* ``block_inclusive_scan(scratch, value, tid, T)`` returns ``(inclusive, total)``:
+the sum of ``value`` over threads ``0 .. tid`` and over the whole block. It ends with a barrier,
+so ``scratch`` may be reused at once. Two versions with one result:
+
+* the simulator's (the readable definition): Hillis-Steele in ``scratch[0:T]``, ``log2 T``
+  steps, each a read, a barrier, an add and a barrier, and one at the end: 22 barriers at
+  ``T = 1024``;
+* the GPU's: each warp scans its 32 values in registers (five ``shfl.up`` steps: lane ``i``
+  adds the running value of lane ``i - 1``, ``i - 2``, ``i - 4``, ...), lane 31 writes the warp's
+  total to ``scratch[warp]``; after a barrier warp 0 scans those ``T / 32`` totals the same way;
+  after a second barrier each thread adds the totals of the warps before its own; a third
+  ends it.
+  ``T`` must be a multiple of 32 there (every block that calls it is).
+
+*Bitonic sort.* ``bitonic_sort_desc(keys, n, tid, T)`` sorts ``n`` uint64 keys (a power of two)
+in shared memory, descending, with the bitonic network: for ``size = 2, 4, .., n`` and
+``stride = size / 2, .., 1``, elements ``i`` and ``i ^ stride`` compare and exchange, the lower
+index keeping the larger key where ``i & size == 0`` (a descending run) and the smaller
+elsewhere. On the simulator every step goes through shared memory and ends with a barrier:
+``log2 n (log2 n + 1) / 2`` barriers (36 at ``n = 256``). On a GPU, when ``n <= T``, thread ``i``
+keeps element ``i`` in a register: steps of stride below 32 pair two lanes of one warp (a
+shuffle, no barrier), and only the wider ones go through shared memory, two barriers each
+(at ``n = 256`` six steps of stride 32 or more: 12 barriers, and one at the end, against
+36). Longer sorts take the shared-memory network.
 
 *Unfused products.* On a GPU, NVVM fuses a multiply whose result feeds an add into one
 fused multiply-add, rounded once, where numpy rounds the product and then the sum. Where a
@@ -36,7 +60,7 @@ instead).
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, int32, uint16, uint32
+from numba import cuda, int32, int64, uint16, uint32, uint64
 
 from ._device import SIMULATOR
 
@@ -175,8 +199,8 @@ block_max = make_block_reduce(_max)     # block_max(red, value, tid, T): max ove
 
 
 @cuda.jit(device=True, inline=True)
-def block_inclusive_scan(scratch, value, tid, T):
-    """Hillis-Steele inclusive prefix sum of one int32 per thread, in ``scratch[0:T]``."""
+def _hillis_steele_scan(scratch, value, tid, T):
+    """``(inclusive, total)`` of one int32 per thread, in ``scratch[0:T]`` (see above)."""
     scratch[tid] = value
     cuda.syncthreads()                      # all values in place
     offset = 1
@@ -186,11 +210,59 @@ def block_inclusive_scan(scratch, value, tid, T):
         scratch[tid] += add
         cuda.syncthreads()                  # the step is complete before the next read
         offset *= 2
-    return scratch[tid]
+    inclusive = scratch[tid]
+    total = scratch[T - 1]
+    cuda.syncthreads()                      # all read before scratch is reused
+    return inclusive, total
 
 
 @cuda.jit(device=True, inline=True)
-def bitonic_sort_desc(keys, n, tid, T):
+def _warp_inclusive_scan(x, lane):
+    """Inclusive sum of ``x`` over lanes ``0 .. lane`` of a full warp (five shuffles)."""
+    offset = 1
+    while offset < 32:
+        below = cuda.shfl_up_sync(FULL_MASK, x, offset)   # lane - offset's value (own if < 0)
+        if lane >= offset:
+            x = int32(x + below)            # int32 + int32 would widen to int64
+        offset *= 2
+    return x
+
+
+@cuda.jit(device=True, inline=True)
+def _warp_shuffle_scan(scratch, value, tid, T):
+    """``(inclusive, total)`` of one int32 per thread: warps scan in registers, warp 0 scans
+    the ``T / 32`` warp totals held in ``scratch[0:T / 32]`` (see above)."""
+    lane = tid & 31
+    warp = tid >> 5
+    warps = T >> 5
+    x = _warp_inclusive_scan(int32(value), lane)
+    if lane == 31:
+        scratch[warp] = x                   # the warp's total
+    cuda.syncthreads()                      # every warp's total in place
+    if warp == 0:
+        t = _warp_inclusive_scan(scratch[lane] if lane < warps else int32(0), lane)
+        if lane < warps:
+            scratch[lane] = t               # warps 0 .. lane together (read by this lane only)
+    cuda.syncthreads()                      # the warps' running totals in place
+    if warp > 0:
+        x += scratch[warp - 1]
+    total = scratch[warps - 1]
+    cuda.syncthreads()                      # all read before scratch is reused
+    return x, total
+
+
+# the simulator has no warp shuffles; on a GPU the same sums with 3 barriers instead of 22
+block_inclusive_scan = _hillis_steele_scan if SIMULATOR else _warp_shuffle_scan
+
+
+def block_scan_scratch(T: int) -> int:
+    """int32 entries of ``scratch`` that :func:`block_inclusive_scan` needs for a block of
+    ``T`` threads: one a thread on the simulator (Hillis-Steele), one a warp on a GPU."""
+    return T if SIMULATOR else T // 32
+
+
+@cuda.jit(device=True, inline=True)
+def _bitonic_sort_in_shared(keys, n, tid, T):
     """Sort ``keys[0:n]`` descending in place (``n`` a power of two; shared memory)."""
     size = 2
     while size <= n:
@@ -208,3 +280,47 @@ def bitonic_sort_desc(keys, n, tid, T):
             cuda.syncthreads()              # this compare-exchange step done before the next
             stride //= 2
         size *= 2
+
+
+@cuda.jit(device=True, inline=True)
+def _bitonic_sort_in_registers(keys, n, tid, T):
+    """The same network for ``n <= T``: thread ``i`` holds element ``i`` in a register. A step
+    of stride < 32 pairs two lanes of one warp: a shuffle, no barrier. A wider step goes
+    through ``keys``: write, barrier, read the partner, barrier."""
+    x = keys[tid] if tid < n else uint64(0)     # threads >= n carry a dummy through the steps
+    size = 2
+    while size <= n:
+        stride = size // 2
+        while stride > 0:
+            if stride >= 32:
+                if tid < n:
+                    keys[tid] = x
+                cuda.syncthreads()          # every element in place
+                y = keys[tid ^ stride] if tid < n else x
+                cuda.syncthreads()          # every partner read before the next write
+            else:
+                # (numba shuffles signed 64-bit values: the bits go as int64 and come back)
+                y = uint64(cuda.shfl_xor_sync(FULL_MASK, int64(x), stride))
+            # the pair (i, i ^ stride): in a descending run the lower index keeps the larger
+            if (tid < (tid ^ stride)) == ((tid & size) == 0):
+                x = max(x, y)
+            else:
+                x = min(x, y)
+            stride //= 2
+        size *= 2
+    if tid < n:
+        keys[tid] = x
+    cuda.syncthreads()                      # the sorted keys in place
+
+
+@cuda.jit(device=True, inline=True)
+def _bitonic_sort_gpu(keys, n, tid, T):
+    if n <= T:                              # uniform over the block: no barrier is skipped
+        _bitonic_sort_in_registers(keys, n, tid, T)
+    else:
+        _bitonic_sort_in_shared(keys, n, tid, T)
+
+
+# Sort ``keys[0:n]`` (uint64, shared memory, ``n`` a power of two) descending in place; every
+# thread of the block calls it. The simulator has no shuffles: the shared-memory network there.
+bitonic_sort_desc = _bitonic_sort_in_shared if SIMULATOR else _bitonic_sort_gpu

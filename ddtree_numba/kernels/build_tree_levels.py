@@ -26,8 +26,15 @@ After the last round the node table is written: node ``i + 1`` is ``G[i]``; the 
 from one more sort, of ``(parent, rank)`` pairs: siblings are consecutive there, ranks ``0 ..
 m - 1`` (a parent's taken children are a prefix of its row).
 
-Shared memory (static): ``G`` 8.4 KB, depths 2.1 KB, candidates 16.4 KB, ``plist``,
-``offsets``, ``newpos`` 12.7 KB, the scan's scratch 4 KB: 44 KB.
+Barriers: a round is bound by them (one block of 1 024 threads a request; about 7 us a round on
+the H200 with the shared-memory scan and sort). On a GPU the two block scans take 3 barriers
+each and a sort of up to 1 024 candidates 2 per stride of 32 and more
+(``kernels._primitives``); the simulator runs the shared-memory versions of both.
+
+Shared memory (static, on a GPU): ``G`` 8 448 B, depths 2 112 B, candidates 16 384 B,
+``plist``, ``offsets`` and ``newpos`` 12 672 B, the round's first ``min(K, B)`` log-probs
+4 224 B, the block scan's 128 B (one int32 a warp; 4 096 B on the simulator): 43 976 B of the
+49 152 B a static allocation may take.
 """
 
 from __future__ import annotations
@@ -36,7 +43,13 @@ from numba import cuda, float32, int16, int32, uint32, uint64
 
 from ..limits import MAX_NODES
 from ._device import SIMULATOR, kernel_for_block
-from ._primitives import bitonic_sort_desc, block_inclusive_scan, float_of_key, key_of_float
+from ._primitives import (
+    bitonic_sort_desc,
+    block_inclusive_scan,
+    block_scan_scratch,
+    float_of_key,
+    key_of_float,
+)
 
 NODE_CAPACITY = MAX_NODES           # as build_tree: N <= 1056
 CAND_CAP = 2048                     # the candidate buffer: a power of two >= NODE_CAPACITY
@@ -46,6 +59,7 @@ LEVEL_THREADS = 32 if SIMULATOR else 1024
 G_PER_THREAD = -(-NODE_CAPACITY // LEVEL_THREADS)      # G elements a thread holds in a merge
 C_PER_THREAD = CHUNK // LEVEL_THREADS                  # chunk elements a thread holds
 HELD = G_PER_THREAD + C_PER_THREAD                      # a merge's elements per thread
+SCAN_SCRATCH = block_scan_scratch(LEVEL_THREADS)        # the block scan's shared int32s
 # What the arrays and key fields above assume (a change to one constant must keep them true)
 assert CHUNK % LEVEL_THREADS == 0 and CHUNK & (CHUNK - 1) == 0 and CHUNK <= CAND_CAP
 assert CAND_CAP >= NODE_CAPACITY and LEVEL_THREADS * G_PER_THREAD >= NODE_CAPACITY
@@ -101,9 +115,8 @@ def _scan_owned(values, n, scratch, tid, T):
     own = 0
     for i in range(first, last):
         own += values[i]
-    before = block_inclusive_scan(scratch, own, tid, T) - own
-    total = scratch[T - 1]
-    cuda.syncthreads()                      # scratch read by all before it is reused
+    inclusive, total = block_inclusive_scan(scratch, own, tid, T)   # ends with a barrier
+    before = inclusive - own
     for i in range(first, last):
         before += values[i]
         values[i] = before
@@ -143,7 +156,8 @@ def _select_levels_kernel(lp, budget, parents, depths, log_weights, next_token, 
     plist = cuda.shared.array(NODE_CAPACITY, int32)        # this round's parents (positions)
     offsets = cuda.shared.array(NODE_CAPACITY, int32)      # counts, then inclusive sums
     newpos = cuda.shared.array(NODE_CAPACITY, int32)       # old position -> new (-2: dropped)
-    scratch = cuda.shared.array(LEVEL_THREADS, int32)
+    scratch = cuda.shared.array(SCAN_SCRATCH, int32)
+    lp_row = cuda.shared.array(NODE_CAPACITY, float32)    # this round's lp[b, d - 1, :B]
     state = cuda.shared.array(2, int32)                    # [n = |G|, parents this round]
     my_key = cuda.local.array(HELD, uint64)                # this thread's elements of a merge
     my_depth = cuda.local.array(HELD, int16)
@@ -160,6 +174,12 @@ def _select_levels_kernel(lp, budget, parents, depths, log_weights, next_token, 
         if B == 0 or P == 0:
             break
         floor = uint64(0) if n < B else g_key[B - 1]       # the B-th key (0: none yet)
+        # the round's log-probs, read once (coalesced) instead of by every dependent step of
+        # the searches below, each a global load's latency
+        # (a parent takes at most B // (u + 1) <= B children: ranks below min(K, B) only)
+        for r in range(tid, min(K, B), T):
+            lp_row[r] = lp[b, d - 1, r]
+        cuda.syncthreads()                                 # the row in place
         # b. how many children of each parent can be taken: a prefix of its row
         for u in range(tid, P, T):
             pp = plist[u]
@@ -168,7 +188,7 @@ def _select_levels_kernel(lp, budget, parents, depths, log_weights, next_token, 
             hi = min(K, B // (u + 1))
             while lo < hi:                                 # first r that fails
                 mid = (lo + hi) // 2
-                s = s_u + lp[b, d - 1, mid]
+                s = s_u + lp_row[mid]
                 if s > NEG_INF and _pack(s, pp, mid) > floor:
                     lo = mid + 1
                 else:
@@ -198,7 +218,7 @@ def _select_levels_kernel(lp, budget, parents, depths, log_weights, next_token, 
                     pp = plist[lo]
                     if pp != -2:                           # parent still in G
                         s_u = float32(0.0) if pp < 0 else _score(g_key[pp])
-                        key = _pack(s_u + lp[b, d - 1, r], pp, r)
+                        key = _pack(s_u + lp_row[r], pp, r)
                 cand[j] = key
             cuda.syncthreads()                             # the chunk written before sorting
             bitonic_sort_desc(cand, m2, tid, T)

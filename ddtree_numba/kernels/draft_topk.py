@@ -109,7 +109,7 @@ def _find_threshold_digit(hist, nbins, need, scratch, result, tid, T):
     for q in range(per):
         if top - q >= 0:
             local += hist[top - q]
-    incl = block_inclusive_scan(scratch, local, tid, T)
+    incl, _ = block_inclusive_scan(scratch, local, tid, T)
     excl = incl - local
     if excl < need and need <= incl:        # exactly one thread
         run = excl
@@ -233,7 +233,7 @@ def _make_topk_kernels(bf16: bool):
             for v in range(first, last):
                 if orderable_key(load_bits(row, v)) == prefix:
                     mine += 1
-            rank = block_inclusive_scan(scratch, mine, tid, T) - mine
+            rank = block_inclusive_scan(scratch, mine, tid, T)[0] - mine
             base = kk - need                # slots after the keys above the threshold
             for v in range(first, last):
                 if rank < need and orderable_key(load_bits(row, v)) == prefix:
