@@ -19,15 +19,18 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
     --format=csv | tee "$OUT/gpu.txt"
 python3 -m ddtree_numba info | tee -a "$OUT/gpu.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    # about 10 minutes with 16 workers: two halves of about 5, the three files of whole steps
-    # (half of the time) and the rest, so that each fits a machine's 10-minute command limit
-    steps="tests/test_greedy_step.py tests/test_sampled_step.py tests/test_examples.py"
-    rest=$(ls tests/test_*.py | grep -v -x -F "$(tr ' ' '\n' <<< "$steps")")
-    for part in "$steps" "$rest"; do
-        # shellcheck disable=SC2086  # the file lists are meant to split into arguments
-        DDTREE_GPU=1 timeout 570 python3 -m pytest -n 16 -q -p no:cacheprovider $part 2>&1 \
-            | tee -a "$OUT/gpu_tests.log" | tail -15
-    done
+    # One command of about 9.5 minutes with 16 workers (H200 host, 16 cores), the files of whole
+    # steps and examples first: each of their tests takes one to four minutes while its worker
+    # compiles the step's kernels, so none may start late (conftest.py hands each worker one
+    # test at a time; the order on the command line is the order they are handed out).
+    first="tests/test_examples.py tests/test_greedy_step.py tests/test_sampled_step.py
+           tests/test_tree_sample_lossless.py tests/test_deepseek_v3.py tests/test_verify_attn.py
+           tests/test_build_tree.py"
+    rest=$(ls tests/test_*.py | grep -v -x -F "$(tr -s ' \n' '\n' <<< "$first")")
+    # shellcheck disable=SC2086  # the file lists are meant to split into arguments
+    DDTREE_GPU=1 timeout 590 python3 -m pytest -n 16 -q -p no:cacheprovider \
+        -W ignore::pytest.PytestWarning -rfE --tb=long $first $rest 2>&1 \
+        | tee "$OUT/gpu_tests.log" | tail -15
 fi
 if [ "$what" = profile ] || [ "$what" = all ]; then
     for kernel in select_warp topk_kernel; do
