@@ -76,98 +76,93 @@ def test_make_block_reduce_takes_any_operator(seed):
 
 
 SCAN_CAP = 1024
+SORT_CAP = 2048
 
 
-@cuda.jit
-def _scan_kernel(values, inclusive, totals):
-    scratch = cuda.shared.array(SCAN_CAP, int32)
-    tid = cuda.threadIdx.x
-    T = cuda.blockDim.x
-    for rep in range(2):                    # twice in a row: scratch is reused at once
-        inc, total = block_inclusive_scan(scratch, values[rep, tid], tid, T)
-        inclusive[rep, tid] = inc
-        totals[rep, tid] = total
+def make_scan_kernel(scan):
+    """A kernel that runs ``scan`` twice in a row (scratch is reused at once) on one row of
+    ``T`` int32 each time."""
+
+    @cuda.jit
+    def scan_kernel(values, inclusive, totals):
+        scratch = cuda.shared.array(SCAN_CAP, int32)
+        tid = cuda.threadIdx.x
+        T = cuda.blockDim.x
+        for rep in range(2):
+            inc, total = scan(scratch, values[rep, tid], tid, T)
+            inclusive[rep, tid] = inc
+            totals[rep, tid] = total
+
+    return scan_kernel
 
 
-@pytest.mark.parametrize("T", [32, 64] if K.SIMULATOR else [32, 64, 256, 512, 1024])
-def test_block_inclusive_scan_every_block_size(T):
+def make_sort_kernel(sort):
+    """A kernel that sorts ``keys[0:n]`` descending with ``sort`` in shared memory."""
+
+    @cuda.jit
+    def sort_kernel(keys, n):
+        buffer = cuda.shared.array(SORT_CAP, uint64)
+        tid = cuda.threadIdx.x
+        for i in range(tid, n, cuda.blockDim.x):
+            buffer[i] = keys[i]
+        cuda.syncthreads()
+        sort(buffer, n, tid, cuda.blockDim.x)
+        for i in range(tid, n, cuda.blockDim.x):
+            keys[i] = buffer[i]
+
+    return sort_kernel
+
+
+def check_scan(kernel, T, zeros_from):
+    """Random int32 rows (the second zero from ``zeros_from`` on: counts of parents with no
+    child) against numpy's cumulative sum; every thread gets the total."""
     values = np.random.default_rng(T).integers(-5, 1000, (2, T)).astype(np.int32)
-    values[1, T // 2:] = 0                  # zeros, as counts of parents with no child
+    values[1, zeros_from:] = 0
     inclusive = np.zeros((2, T), np.int32)
     totals = np.zeros((2, T), np.int32)
-    _scan_kernel[1, T](values, inclusive, totals)
+    kernel[1, T](values, inclusive, totals)
     np.testing.assert_array_equal(inclusive, np.cumsum(values, axis=1))
     np.testing.assert_array_equal(totals, np.repeat(values.sum(1, keepdims=True), T, axis=1))
 
 
-SORT_CAP = 2048
+def check_sort(kernel, n, T):
+    """Random uint64 keys with the top bit (the int64 round trip of the shuffles), ties and
+    zeros (the kernels' "no key") against numpy's sort."""
+    rng = np.random.default_rng(n + T)
+    keys = rng.integers(0, 2**64, n, dtype=np.uint64)
+    keys[: n // 4] = keys[n // 4: n // 2]
+    keys[n - n // 8:] = 0
+    want = np.sort(keys)[::-1]
+    kernel[1, T](keys, n)
+    np.testing.assert_array_equal(keys, want)
 
 
-@cuda.jit
-def _sort_kernel(keys, n):
-    buffer = cuda.shared.array(SORT_CAP, uint64)
-    tid = cuda.threadIdx.x
-    for i in range(tid, n, cuda.blockDim.x):
-        buffer[i] = keys[i]
-    cuda.syncthreads()
-    bitonic_sort_desc(buffer, n, tid, cuda.blockDim.x)
-    for i in range(tid, n, cuda.blockDim.x):
-        keys[i] = buffer[i]
+_scan_kernel = make_scan_kernel(block_inclusive_scan)
+_sort_kernel = make_sort_kernel(bitonic_sort_desc)
+
+
+@pytest.mark.parametrize("T", [32, 64] if K.SIMULATOR else [32, 64, 256, 512, 1024])
+def test_block_inclusive_scan_every_block_size(T):
+    check_scan(_scan_kernel, T, T // 2)
 
 
 @pytest.mark.parametrize("n,T", [(1, 32), (16, 32), (64, 32)] if K.SIMULATOR else
                          [(1, 32), (16, 32), (32, 32), (64, 32), (8, 512), (256, 512),
                           (512, 512), (1024, 1024), (2048, 1024), (128, 1024)])
 def test_bitonic_sort_desc_every_length(n, T):
-    """Lengths up to the block (registers and shuffles on a GPU) and past it (shared memory);
-    ties and zeros (the kernels' "no key") included."""
-    rng = np.random.default_rng(n + T)
-    keys = rng.integers(0, 2**64, n, dtype=np.uint64)   # the top bit too (int64 shuffles)
-    keys[: n // 4] = keys[n // 4: n // 2]           # ties
-    keys[n - n // 8:] = 0
-    want = np.sort(keys)[::-1]
-    _sort_kernel[1, T](keys, n)
-    np.testing.assert_array_equal(keys, want)
+    """Lengths up to the block (registers and shuffles on a GPU) and past it (shared memory)."""
+    check_sort(_sort_kernel, n, T)
 
 
 # -- the GPU versions on the simulator, through emulated warp shuffles -----------------------
-
-@cuda.jit
-def _warp_scan_kernel(values, inclusive, totals):
-    scratch = cuda.shared.array(SCAN_CAP, int32)
-    tid = cuda.threadIdx.x
-    T = cuda.blockDim.x
-    for rep in range(2):
-        inc, total = _warp_shuffle_scan(scratch, values[rep, tid], tid, T)
-        inclusive[rep, tid] = inc
-        totals[rep, tid] = total
-
-
-@cuda.jit
-def _gpu_sort_kernel(keys, n):
-    buffer = cuda.shared.array(SORT_CAP, uint64)
-    tid = cuda.threadIdx.x
-    for i in range(tid, n, cuda.blockDim.x):
-        buffer[i] = keys[i]
-    cuda.syncthreads()
-    _bitonic_sort_gpu(buffer, n, tid, cuda.blockDim.x)
-    for i in range(tid, n, cuda.blockDim.x):
-        keys[i] = buffer[i]
-
 
 @pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated shuffles")
 @pytest.mark.parametrize("T", [32, 96])
 def test_warp_shuffle_scan_on_emulated_shuffles(T):
     from simulated_warp import emulated_shuffles
 
-    values = np.random.default_rng(T).integers(-5, 1000, (2, T)).astype(np.int32)
-    values[1, T // 3:] = 0
-    inclusive = np.zeros((2, T), np.int32)
-    totals = np.zeros((2, T), np.int32)
     with emulated_shuffles():
-        _warp_scan_kernel[1, T](values, inclusive, totals)
-    np.testing.assert_array_equal(inclusive, np.cumsum(values, axis=1))
-    np.testing.assert_array_equal(totals, np.repeat(values.sum(1, keepdims=True), T, axis=1))
+        check_scan(make_scan_kernel(_warp_shuffle_scan), T, T // 3)
 
 
 @pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated shuffles")
@@ -177,11 +172,5 @@ def test_gpu_bitonic_sort_on_emulated_shuffles(n, T):
     shared memory at n = 64), the shared-memory network past it."""
     from simulated_warp import emulated_shuffles
 
-    rng = np.random.default_rng(n + T)
-    keys = rng.integers(0, 2**64, n, dtype=np.uint64)
-    keys[: n // 4] = keys[n // 4: n // 2]
-    keys[n - n // 8:] = 0
-    want = np.sort(keys)[::-1]
     with emulated_shuffles():
-        _gpu_sort_kernel[1, T](keys, n)
-    np.testing.assert_array_equal(keys, want)
+        check_sort(make_sort_kernel(_bitonic_sort_gpu), n, T)
