@@ -19,16 +19,17 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
     --format=csv | tee "$OUT/gpu.txt"
 python3 -m ddtree_numba info | tee -a "$OUT/gpu.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    # One command of about 9.5 minutes with 16 workers (H200 host, 16 cores), the files of whole
-    # steps and examples first: each of their tests takes one to four minutes while its worker
-    # compiles the step's kernels, so none may start late (conftest.py hands each worker one
-    # test at a time; the order on the command line is the order they are handed out).
+    # One command of about 9.5 minutes with 16 workers (H200 host, 16 cores; 565 s measured,
+    # close to a device command's 600 s), the files of whole steps and examples first: each of
+    # their tests takes one to four minutes while its worker compiles the step's kernels, so
+    # none may start late (xdist deals the first quarter of the tests round-robin in command-
+    # line order, then hands out the rest one at a time as workers finish: conftest.py).
     first="tests/test_examples.py tests/test_greedy_step.py tests/test_sampled_step.py
            tests/test_tree_sample_lossless.py tests/test_deepseek_v3.py tests/test_verify_attn.py
            tests/test_build_tree.py"
     rest=$(ls tests/test_*.py | grep -v -x -F "$(tr -s ' \n' '\n' <<< "$first")")
     # shellcheck disable=SC2086  # the file lists are meant to split into arguments
-    DDTREE_GPU=1 timeout 590 python3 -m pytest -n 16 -q -p no:cacheprovider \
+    DDTREE_GPU=1 timeout 585 python3 -m pytest -n 16 -q -p no:cacheprovider \
         -W ignore::pytest.PytestWarning -rfE --tb=long $first $rest 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -15
 fi

@@ -114,8 +114,9 @@ def make_sort_kernel(sort):
 
 
 def check_scan(kernel, T, zeros_from):
-    """Random int32 rows (the second zero from ``zeros_from`` on: counts of parents with no
-    child) against numpy's cumulative sum; every thread gets the total."""
+    """Two random int32 rows against numpy's cumulative sum (in the second, zeros from
+    thread ``zeros_from`` on, as counts of parents with no child); every thread gets the
+    total."""
     values = np.random.default_rng(T).integers(-5, 1000, (2, T)).astype(np.int32)
     values[1, zeros_from:] = 0
     inclusive = np.zeros((2, T), np.int32)

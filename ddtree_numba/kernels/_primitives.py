@@ -27,8 +27,8 @@ the sum of ``value`` over threads ``0 .. tid`` and over the whole block. It ends
 so ``scratch`` may be reused at once. Two versions with one result:
 
 * the simulator's (the readable definition): Hillis-Steele in ``scratch[0:T]``, ``log2 T``
-  steps, each a read, a barrier, an add and a barrier, and one at the end: 22 barriers at
-  ``T = 1024``;
+  steps, each a read, a barrier, an add and a barrier, one before them and one at the end:
+  22 barriers at ``T = 1024``;
 * the GPU's: each warp scans its 32 values in registers (five ``shfl.up`` steps: lane ``i``
   adds the running value of lane ``i - 1``, ``i - 2``, ``i - 4``, ...), lane 31 writes the warp's
   total to ``scratch[warp]``; after a barrier warp 0 scans those ``T / 32`` totals the same way;
@@ -242,10 +242,11 @@ def _warp_shuffle_scan(scratch, value, tid, T):
     if warp == 0:
         t = _warp_inclusive_scan(scratch[lane] if lane < warps else int32(0), lane)
         if lane < warps:
-            scratch[lane] = t               # warps 0 .. lane together (read by this lane only)
+            scratch[lane] = t               # warps 0 .. lane together (only this lane read
+                                            # scratch[lane] above: no race)
     cuda.syncthreads()                      # the warps' running totals in place
     if warp > 0:
-        x += scratch[warp - 1]
+        x = int32(x + scratch[warp - 1])    # int32 + int32 would widen to int64
     total = scratch[warps - 1]
     cuda.syncthreads()                      # all read before scratch is reused
     return x, total
@@ -257,7 +258,11 @@ block_inclusive_scan = _hillis_steele_scan if SIMULATOR else _warp_shuffle_scan
 
 def block_scan_scratch(T: int) -> int:
     """int32 entries of ``scratch`` that :func:`block_inclusive_scan` needs for a block of
-    ``T`` threads: one a thread on the simulator (Hillis-Steele), one a warp on a GPU."""
+    ``T`` threads: one a thread on the simulator (Hillis-Steele), one a warp on a GPU, whose
+    scan takes whole warps only (``T`` a multiple of 32, at most 1 024: full-mask shuffles,
+    and warp 0 scans the warp totals)."""
+    if not SIMULATOR and (T % 32 or not 32 <= T <= 1024):
+        raise ValueError(f"T: expected a multiple of 32 in [32, 1024] on a GPU, got {T}")
     return T if SIMULATOR else T // 32
 
 
@@ -286,7 +291,8 @@ def _bitonic_sort_in_shared(keys, n, tid, T):
 def _bitonic_sort_in_registers(keys, n, tid, T):
     """The same network for ``n <= T``: thread ``i`` holds element ``i`` in a register. A step
     of stride < 32 pairs two lanes of one warp: a shuffle, no barrier. A wider step goes
-    through ``keys``: write, barrier, read the partner, barrier."""
+    through ``keys``: write, barrier, read the partner, barrier. ``T`` must be whole warps (a
+    multiple of 32): the shuffles take the full mask."""
     x = keys[tid] if tid < n else uint64(0)     # threads >= n carry a dummy through the steps
     size = 2
     while size <= n:

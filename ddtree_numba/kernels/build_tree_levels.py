@@ -33,7 +33,7 @@ each and a sort of up to 1 024 candidates 2 per stride of 32 and more
 
 Shared memory (static, on a GPU): ``G`` 8 448 B, depths 2 112 B, candidates 16 384 B,
 ``plist``, ``offsets`` and ``newpos`` 12 672 B, the round's first ``min(K, B)`` log-probs
-4 224 B, the block scan's 128 B (one int32 a warp; 4 096 B on the simulator): 43 976 B of the
+4 224 B, the block scan's 128 B (one int32 a warp; one a thread on the simulator): 43 976 B of the
 49 152 B a static allocation may take.
 """
 
@@ -157,7 +157,7 @@ def _select_levels_kernel(lp, budget, parents, depths, log_weights, next_token, 
     offsets = cuda.shared.array(NODE_CAPACITY, int32)      # counts, then inclusive sums
     newpos = cuda.shared.array(NODE_CAPACITY, int32)       # old position -> new (-2: dropped)
     scratch = cuda.shared.array(SCAN_SCRATCH, int32)
-    lp_row = cuda.shared.array(NODE_CAPACITY, float32)    # this round's lp[b, d - 1, :B]
+    lp_row = cuda.shared.array(NODE_CAPACITY, float32)    # lp[b, d - 1, :min(K, B)]
     state = cuda.shared.array(2, int32)                    # [n = |G|, parents this round]
     my_key = cuda.local.array(HELD, uint64)                # this thread's elements of a merge
     my_depth = cuda.local.array(HELD, int16)
