@@ -246,7 +246,7 @@ def _warp_shuffle_scan(scratch, value, tid, T):
                                             # scratch[lane] above: no race)
     cuda.syncthreads()                      # the warps' running totals in place
     if warp > 0:
-        x = int32(x + scratch[warp - 1])    # int32 + int32 would widen to int64
+        x += scratch[warp - 1]              # (numba widens this sum to int64; same value)
     total = scratch[warps - 1]
     cuda.syncthreads()                      # all read before scratch is reused
     return x, total

@@ -68,7 +68,6 @@ from ._primitives import (
     bits_to_float,
     block_inclusive_scan,
     block_max,
-    block_scan_scratch,
     block_sum,
     float_of_key,
     orderable_key,
@@ -76,7 +75,6 @@ from ._primitives import (
 
 TOPK_THREADS = 32 if SIMULATOR else 512   # a power of two, at most MAX_THREADS
 MAX_THREADS = 512
-SCAN_SCRATCH = block_scan_scratch(MAX_THREADS)     # the block scan's shared int32s
 BINS = 2048                  # radix digits per level: 11 + 11 + 10 bits
 TIE_CAP = 3072               # candidates taken from the threshold bin without refining
 SORT_CAP = 4096              # >= MAX_K - 1 + TIE_CAP, a power of two
@@ -150,7 +148,7 @@ def _make_topk_kernels(bf16: bool):
         ``cand[0:kk]`` holds the ``kk = min(k, hi - lo)`` best packed candidates, best first.
         Returns ``(m, s, kk)``: the slice's max logit and sum of ``exp(x - m)``."""
         hist = cuda.shared.array(BINS, int32)
-        scratch = cuda.shared.array(SCAN_SCRATCH, int32)
+        scratch = cuda.shared.array(MAX_THREADS, int32)
         result = cuda.shared.array(3, int32)
         red_u = cuda.shared.array(MAX_THREADS, uint32)
         red_f = cuda.shared.array(MAX_THREADS, float32)
@@ -235,8 +233,7 @@ def _make_topk_kernels(bf16: bool):
             for v in range(first, last):
                 if orderable_key(load_bits(row, v)) == prefix:
                     mine += 1
-            incl, _ = block_inclusive_scan(scratch, mine, tid, T)
-            rank = incl - mine
+            rank = block_inclusive_scan(scratch, mine, tid, T)[0] - mine
             base = kk - need                # slots after the keys above the threshold
             for v in range(first, last):
                 if rank < need and orderable_key(load_bits(row, v)) == prefix:
