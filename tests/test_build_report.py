@@ -85,7 +85,8 @@ def test_tensor_core_kernels_link_their_wrappers_away(report_rows):
         sass = row["sass"]
         if sass is None:
             pytest.skip("no nvdisasm on this machine")
-        assert sass["HMMA"] == 68 and sass["LDSM"] == 30, row     # one tile, fully unrolled
+        # one tile fully unrolled (68 HMMA, 30 LDSM) and the query fragments (9 LDSM)
+        assert sass["HMMA"] == 68 and sass["LDSM"] == 39, row
         assert sass["local"] == 0 and sass["CALL"] <= 4, row
 
 

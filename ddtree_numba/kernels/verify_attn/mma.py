@@ -171,6 +171,15 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
     P_WORDS = P_STRIDE // 2             # 32-bit words per probability row
     RESCALE = float32(RESCALE_BELOW)
     ACC = 4 * NT                        # score accumulators per lane (local sizes: constants)
+    V_REGS = 4 * GQ                     # V fragment registers of one P V k-step, per lane
+    ROW_WORDS = ROW // 2                # 32-bit words per staged row
+    LAT_STEPS = -(-Dc // 64)            # query pairs per lane and row: latent part ...
+    ROPE_STEPS = -(-Dr // 64)           # ... and rope part (a warp reads a row at a time)
+    Q_LOADS = (BM // WARPS) * 2 * (LAT_STEPS + ROPE_STEPS)  # query values a lane loads
+    Q_ROWS = BM // WARPS                # query rows each warp brings into shared memory
+    Q_BUF = (STAGES - 1) * TILE_BYTES   # the buffer that is free until the loop starts
+    OUT_STRIDE = Dc + 4                 # float32 row stride of the output staged at the end
+    assert BM * OUT_STRIDE * 4 <= STAGES * TILE_BYTES   # it fits where the tiles were
     mma = tc.mma_bf16_16816 if kind == "bfloat16" else tc.mma_f16_16816
     pack = tc.pack_bf16x2 if kind == "bfloat16" else tc.pack_f16x2
     EXPONENT = uint32(0x7F80 if kind == "bfloat16" else 0x7C00)   # all ones: NaN or +-inf
@@ -183,15 +192,6 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
         return word & (low | high)
 
     @cuda.jit(device=True, inline=True)
-    def query_pair(q_latent, q_rope, b, i, h, d, valid):
-        """Query values ``d, d + 1`` of node ``i``, head ``h``, rounded to 16 bits, packed."""
-        if not valid:
-            return uint32(0)
-        if d < Dc:
-            return pack(q_latent[b, i, h, d], q_latent[b, i, h, d + 1])
-        return pack(q_rope[b, i, h, d - Dc], q_rope[b, i, h, d - Dc + 1])
-
-    @cuda.jit(device=True, inline=True)
     def masked(s, scale2, bits, b, i, slot, P, hi):
         """``scale2 * s`` if row ``i`` sees ``slot``, else ``-inf`` (a select: a NaN score of
         an invisible slot never reaches the row)."""
@@ -202,11 +202,12 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
         return s * scale2 if visible else NEG_INF
 
     @cuda.jit(device=True, inline=True)
-    def table_entry(block_table, b, slot, page_index, hi):
-        """The block-table entry of ``slot`` (on ``page_index`` of the request), or -1 past
-        ``hi``. Read one tile before the copy that needs it, and checked only there: the
-        load's latency hides behind a tile of products."""
-        return block_table[b, page_index] if slot < hi else -1
+    def table_entry(block_table, b, page_index):
+        """The block-table entry of page ``page_index`` of request ``b`` (clamped to the
+        table: the slots a tile ahead may lie past it). Read one tile before the copy that
+        needs it and used only there (``stage`` checks the slot): nothing consumes the load
+        before the next tile's barrier, so its latency hides behind a tile of products."""
+        return block_table[b, min(page_index, uint32(block_table.shape[1] - 1))]
 
     @cuda.jit(device=True, inline=True)
     def next_slot(slot, page_index, in_page, pages_per_tile, rest_per_tile, page_size):
@@ -220,71 +221,90 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
         return slot + BN, page_index, in_page
 
     @cuda.jit(device=True, inline=True)
-    def stage(kv_base, buf, cache_flat, page, in_page, page_size, num_pages, tid):
-        """Issue this thread's copies of one tile into buffer ``buf``: row ``tid // 8`` of
-        the tile (offset ``in_page`` of cache ``page``; zeros, nothing read, when ``page`` is
-        -1 or outside the cache), 16-byte chunks ``tid % 8, + 8, ...`` (8 neighbouring
-        threads: 128 contiguous bytes)."""
+    def copy_plan(kv_base, buf, live, page, in_page, page_size, num_pages, tid):
+        """This thread's share of one tile's copy into buffer ``buf``: row ``tid // 8`` of
+        the tile, from offset ``in_page`` of cache ``page``; 16-byte chunks ``tid % 8, + 8,
+        ...`` (8 neighbouring threads: 128 contiguous bytes). Returns the first chunk's
+        shared address and byte offset in the cache and the bytes to read: 0 (zeros
+        written, nothing read) when the slot is not ``live`` (past the split's end) or
+        ``page`` is outside the cache."""
         nbytes = uint32(0)
         offset = uint64(0)
-        if 0 <= page < num_pages:
+        if live and 0 <= page < num_pages:
             nbytes = uint32(16)
             offset = (uint64(page) * uint64(page_size) + uint64(in_page)) * uint64(ROW_BYTES)
         first = tid % 8
         dst = kv_base + uint32(buf * TILE_BYTES + 2 * (tid // 8) * ROW + 16 * first)
-        offset += uint64(16 * first)
-        src = _ffi.from_buffer(cache_flat)
-        for u in range(CHUNK_STEPS):
-            if CHUNKS % 8 == 0 or first + 8 * u < CHUNKS:      # (folds away when even)
-                tc.cp_async_16(dst + uint32(128 * u), src, offset + uint64(128 * u), nbytes)
+        return dst, offset + uint64(16 * first), nbytes
 
     @cuda.jit(device=True, inline=True)
-    def pv_step(o, pa0, pa1, frag, probs, v_rows, warp, tree):
+    def copy_chunk(dst, src, offset, nbytes, u, tid):
+        """Chunk ``u`` of this thread's share (``copy_plan``): 16 bytes, 128 bytes on."""
+        if CHUNKS % 8 == 0 or tid % 8 + 8 * u < CHUNKS:     # (folds away when even)
+            tc.cp_async_16(dst + uint32(128 * u), src, offset + uint64(128 * u), nbytes)
+
+    @cuda.jit(device=True, inline=True)
+    def stage(kv_base, buf, cache_flat, live, page, in_page, page_size, num_pages, tid):
+        """Issue this thread's copies of one tile into buffer ``buf`` at once (``copy_plan``;
+        the loop spreads them over the score k-steps instead)."""
+        dst, offset, nbytes = copy_plan(kv_base, buf, live, page, in_page, page_size,
+                                        num_pages, tid)
+        src = _ffi.from_buffer(cache_flat)
+        for u in range(CHUNK_STEPS):
+            copy_chunk(dst, src, offset, nbytes, u, tid)
+
+    @cuda.jit(device=True, inline=True)
+    def pv_step(o, pa0, pa1, vf, probs, v_rows, warp, tree):
         """``O += P V`` over one k-step of 16 slots: the probabilities of both row tiles at
         ``probs`` (this lane's ldmatrix address), the V rows at ``v_rows`` (likewise), this
-        warp's column groups ``warp, warp + WARPS, ...``. Written as a function called once
-        per k-step (not a loop over them): every index of ``o`` stays a constant, so ``o``
-        stays in registers on every target."""
+        warp's column groups ``warp, warp + WARPS, ...``. Every fragment of the k-step is
+        loaded first (``vf[4 q:]``: group ``q``), then the products: the loads overlap each
+        other, and no branch sits between a load and the product that waits for it. Written
+        as a function called once per k-step (not a loop over them): every index of ``o``
+        stays a constant, so ``o`` stays in registers on every target."""
         tc.ldmatrix_x4(_ffi.from_buffer(pa0), probs)
         tc.ldmatrix_x4(_ffi.from_buffer(pa1), probs + uint32(2 * 16 * P_STRIDE))
         for q in range(GQ):
-            group = warp + WARPS * q
-            if GROUPS % WARPS == 0 or group < GROUPS:
-                tc.ldmatrix_x4_trans(_ffi.from_buffer(frag), v_rows + uint32(32 * group))
-                if tree:                        # invisible rows may hold NaN: 0 * NaN = NaN
-                    for k in range(4):
-                        frag[k] = finite_pair(frag[k])
-                mma(_ffi.from_buffer(o[8 * q:]), pa0[0], pa0[1], pa0[2], pa0[3], frag[0],
-                    frag[1])
-                mma(_ffi.from_buffer(o[8 * q + 4:]), pa0[0], pa0[1], pa0[2], pa0[3], frag[2],
-                    frag[3])
+            if GROUPS % WARPS == 0 or warp + WARPS * q < GROUPS:
+                tc.ldmatrix_x4_trans(_ffi.from_buffer(vf[4 * q:]),
+                                     v_rows + uint32(32 * (warp + WARPS * q)))
+        if tree:                                # invisible rows may hold NaN: 0 * NaN = NaN
+            for k in range(V_REGS):
+                vf[k] = finite_pair(vf[k])
+        for q in range(GQ):
+            if GROUPS % WARPS == 0 or warp + WARPS * q < GROUPS:
+                v = 4 * q
+                mma(_ffi.from_buffer(o[8 * q:]), pa0[0], pa0[1], pa0[2], pa0[3], vf[v],
+                    vf[v + 1])
+                mma(_ffi.from_buffer(o[8 * q + 4:]), pa0[0], pa0[1], pa0[2], pa0[3], vf[v + 2],
+                    vf[v + 3])
                 mma(_ffi.from_buffer(o[GQ * 8 + 8 * q:]), pa1[0], pa1[1], pa1[2], pa1[3],
-                    frag[0], frag[1])
+                    vf[v], vf[v + 1])
                 mma(_ffi.from_buffer(o[GQ * 8 + 8 * q + 4:]), pa1[0], pa1[1], pa1[2], pa1[3],
-                    frag[2], frag[3])
+                    vf[v + 2], vf[v + 3])
 
     @cuda.jit(device=True, inline=True)
-    def write_rows(part_out, o, base, smem_f32, split, b, r, rows, warp, rb, t):
-        """This lane's outputs of one row tile (``o[base:]``: rows ``r`` and ``r + 8``, block
-        rows ``rb``, ``rb + 8``), divided by their rows' ``l``, into ``part_out``. Called once
-        per row tile, not in a loop: the indices of ``o`` stay constants (registers)."""
+    def stage_rows(smem_f32, o, base, rb, warp, t):
+        """This lane's outputs of one row tile (``o[base:]``: block rows ``rb`` and ``rb +
+        8``), divided by their rows' ``l``, into the float32 output staged in shared memory
+        (rows ``OUT_STRIDE`` apart, where the tiles were). Called once per row tile, not in
+        a loop: the indices of ``o`` stay constants (registers)."""
         inv = smem_f32[INVERSE + rb]
         inv8 = smem_f32[INVERSE + rb + 8]
         for q in range(GQ):
             group = warp + WARPS * q
-            if group < GROUPS:
-                col = 16 * group + 2 * t
+            if GROUPS % WARPS == 0 or group < GROUPS:
+                at = rb * OUT_STRIDE + 16 * group + 2 * t
                 k = base + 8 * q
-                if r < rows:
-                    part_out[split, b, r, col] = o[k] * inv
-                    part_out[split, b, r, col + 1] = o[k + 1] * inv
-                    part_out[split, b, r, col + 8] = o[k + 4] * inv
-                    part_out[split, b, r, col + 9] = o[k + 5] * inv
-                if r + 8 < rows:
-                    part_out[split, b, r + 8, col] = o[k + 2] * inv8
-                    part_out[split, b, r + 8, col + 1] = o[k + 3] * inv8
-                    part_out[split, b, r + 8, col + 8] = o[k + 6] * inv8
-                    part_out[split, b, r + 8, col + 9] = o[k + 7] * inv8
+                smem_f32[at] = o[k] * inv
+                smem_f32[at + 1] = o[k + 1] * inv
+                smem_f32[at + 8] = o[k + 4] * inv
+                smem_f32[at + 9] = o[k + 5] * inv
+                at += 8 * OUT_STRIDE
+                smem_f32[at] = o[k + 2] * inv8
+                smem_f32[at + 1] = o[k + 3] * inv8
+                smem_f32[at + 8] = o[k + 6] * inv8
+                smem_f32[at + 9] = o[k + 7] * inv8
 
     @cuda.jit(launch_bounds=(MMA_THREADS, BLOCKS_PER_SM))
     def mma_kernel(q_latent, q_rope, cache, block_table, prefix_lens, bits, num_nodes, sm_scale,
@@ -320,23 +340,6 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
         if lo >= hi or row0 >= n * H:           # no slot here, or only padding rows:
             return                              # the merge reads neither
 
-        # Scores: the A fragments of this warp's k-steps of its row tile, for the whole split.
-        rg = row0 + 16 * rt + g                 # flat rows of this lane: rg and rg + 8
-        rg8 = rg + 8
-        ig = uint32(min(rg, rows - 1)) // uint32(H)     # their nodes and heads (clamped:
-        hg = uint32(min(rg, rows - 1)) % uint32(H)      # rows past N H load zeros and are
-        ig8 = uint32(min(rg8, rows - 1)) // uint32(H)   # never written)
-        hg8 = uint32(min(rg8, rows - 1)) % uint32(H)
-        qa = cuda.local.array(Q_REGS, uint32)
-        for kk in range(KQ):
-            d = 16 * (kw + KSPLIT * kk) + 2 * t
-            ok = d < D
-            qa[4 * kk + 0] = query_pair(q_latent, q_rope, b, ig, hg, d, ok and rg < rows)
-            qa[4 * kk + 1] = query_pair(q_latent, q_rope, b, ig8, hg8, d, ok and rg8 < rows)
-            qa[4 * kk + 2] = query_pair(q_latent, q_rope, b, ig, hg, d + 8, ok and rg < rows)
-            qa[4 * kk + 3] = query_pair(q_latent, q_rope, b, ig8, hg8, d + 8,
-                                        ok and rg8 < rows)
-
         # Softmax: this thread owns row r_own of the block (of its warp's row tile) and the
         # slots 8 nt + 2t, + 1 of each tile for nt = nt_own and nt_own + 2; the 8 lanes of a
         # row differ in bits 0-2 of the lane.
@@ -360,6 +363,8 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
         v_lane = 2 * ((lane % 8 + 8 * ((lane // 8) % 2)) * ROW + 8 * (lane // 16))
         # probabilities (A of P V): matrix lane // 8 = rows 0-7 | 8-15, slots 0-7 | 8-15 ...
         p_lane = 2 * ((lane % 16) * P_STRIDE + 8 * (lane // 16))   # ... (a0, a1, a2, a3)
+        # queries (A of the scores): matrix lane // 8 = rows 0-7 | 8-15, dims +0 | +8 ...
+        q_lane = 2 * ((16 * rt + lane % 16) * ROW + 8 * (lane // 16))   # ... (a0 .. a3)
         kv_base = tc.shared_address(_ffi.from_buffer(smem))
         scale2 = sm_scale * float32(LOG2E)      # scores in base 2: exp2 is one instruction
 
@@ -367,8 +372,9 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
         for k in range(O_VALUES):
             o[k] = 0.0
         acc = cuda.local.array(ACC, float32)    # partial scores, n-tile nt at 4 nt (C)
-        frag = cuda.local.array(4, uint32)      # one ldmatrix.x4 of K or V
-        frag2 = cuda.local.array(4, uint32)
+        frag = cuda.local.array(4, uint32)      # one ldmatrix.x4 of K: slots 0-15 ...
+        frag2 = cuda.local.array(4, uint32)     # ... and 16-31
+        vf = cuda.local.array(V_REGS, uint32)   # V fragments of one P V k-step
         pa0 = cuda.local.array(4, uint32)       # probabilities of row tile 0 (A fragment)
         pa1 = cuda.local.array(4, uint32)       # ... row tile 1
         m_own = NEG_INF                         # running max of row r_own (base 2)
@@ -386,32 +392,86 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
         st_in_page = uint32(st_slot) % page_size32
         for s in range(STAGES - 1):             # prologue: tiles 0 .. STAGES - 2 in flight
             if s < tiles:
-                entry = table_entry(block_table, b, st_slot, st_page, hi)
-                stage(kv_base, s, cache_flat, entry, st_in_page, page_size, num_pages, tid)
+                entry = table_entry(block_table, b, st_page)
+                stage(kv_base, s, cache_flat, st_slot < hi, entry, st_in_page, page_size,
+                      num_pages, tid)
             tc.cp_async_commit()                # (empty groups keep the count uniform)
             st_slot, st_page, st_in_page = next_slot(st_slot, st_page, st_in_page,
                                                      pages_per_tile, rest_per_tile,
                                                      page_size32)
-        st_entry = table_entry(block_table, b, st_slot, st_page, hi)
+        st_entry = table_entry(block_table, b, st_page)
+
+        # The queries, while the first tiles land: warp w brings block rows Q_ROWS w ..
+        # Q_ROWS w + Q_ROWS - 1 into buffer STAGES - 1 (free until the loop's first barrier),
+        # rounded to 16 bits; lane l loads the pairs l, l + 32, ... of each row's latent and
+        # rope parts (a warp reads 256 contiguous bytes per pair of loads); rows past N H are
+        # zeros and never written.
+        # Then each warp takes the A fragments of its k-steps of its row tile, for the whole
+        # split, by ldmatrix.
+        qv = cuda.local.array(Q_LOADS, float32)
+        for rr in range(Q_ROWS):                # every load first (no branch between them:
+            flat = min(row0 + Q_ROWS * warp + rr, rows - 1)     # clamped rows and dims,
+            i_r = uint32(flat) // uint32(H)     # selected away below), so they all fly at
+            h_r = uint32(flat) % uint32(H)      # once ...
+            at = 2 * (LAT_STEPS + ROPE_STEPS) * rr
+            for u in range(LAT_STEPS):
+                d = min(2 * (lane + 32 * u), Dc - 2)
+                qv[at + 2 * u] = q_latent[b, i_r, h_r, d]
+                qv[at + 2 * u + 1] = q_latent[b, i_r, h_r, d + 1]
+            for u in range(ROPE_STEPS):
+                d = min(2 * (lane + 32 * u), Dr - 2)
+                qv[at + 2 * (LAT_STEPS + u)] = q_rope[b, i_r, h_r, d]
+                qv[at + 2 * (LAT_STEPS + u) + 1] = q_rope[b, i_r, h_r, d + 1]
+        for rr in range(Q_ROWS):                # ... then packed and stored
+            r = Q_ROWS * warp + rr
+            valid = row0 + r < rows
+            at = 2 * (LAT_STEPS + ROPE_STEPS) * rr
+            for u in range(LAT_STEPS):
+                w = lane + 32 * u
+                if Dc % 64 == 0 or 2 * w < Dc:
+                    word = pack(qv[at + 2 * u], qv[at + 2 * u + 1])
+                    smem_u32[Q_BUF // 4 + r * ROW_WORDS + w] = word if valid else uint32(0)
+            for u in range(ROPE_STEPS):
+                w = lane + 32 * u
+                if Dr % 64 == 0 or 2 * w < Dr:
+                    word = pack(qv[at + 2 * (LAT_STEPS + u)], qv[at + 2 * (LAT_STEPS + u) + 1])
+                    smem_u32[Q_BUF // 4 + r * ROW_WORDS + Dc // 2 + w] = (
+                        word if valid else uint32(0))
+        cuda.syncthreads()                      # the block's query rows are staged
+        qa = cuda.local.array(Q_REGS, uint32)
+        for kk in range(KQ):
+            ks = kw + KSPLIT * kk
+            if KSTEPS % KSPLIT == 0 or ks < KSTEPS:
+                tc.ldmatrix_x4(_ffi.from_buffer(qa[4 * kk:]),
+                               kv_base + uint32(Q_BUF + q_lane + 32 * ks))
+            else:
+                for k in range(4):
+                    qa[4 * kk + k] = uint32(0)
+
+        src = _ffi.from_buffer(cache_flat)
         for j in range(tiles):
             tile_start = lo + BN * j
             tc.cp_async_wait_pending(STAGES - 2)    # this thread's copies of tile j landed
             cuda.syncthreads()                  # everyone's have; nobody reads tile j - 1
-            ahead = j + STAGES - 1              # its buffer now takes tile j + STAGES - 1
-            if ahead < tiles:
-                stage(kv_base, ahead % STAGES, cache_flat, st_entry, st_in_page, page_size,
-                      num_pages, tid)
-            tc.cp_async_commit()
+            ahead = j + STAGES - 1              # its buffer now takes tile j + STAGES - 1,
+            copying = ahead < tiles             # copied chunk by chunk between the k-steps
+            c_dst, c_offset, c_bytes = copy_plan(kv_base, ahead % STAGES, st_slot < hi,
+                                                 st_entry, st_in_page, page_size, num_pages,
+                                                 tid)
             st_slot, st_page, st_in_page = next_slot(st_slot, st_page, st_in_page,
                                                      pages_per_tile, rest_per_tile,
                                                      page_size32)
-            st_entry = table_entry(block_table, b, st_slot, st_page, hi)
+            st_entry = table_entry(block_table, b, st_page)
             tile = kv_base + uint32(TILE_BYTES * (j % STAGES))
 
-            # 1. partial scores of this warp's k-steps: its 16 rows x 32 slots
+            # 1. partial scores of this warp's k-steps: its 16 rows x 32 slots; chunk kk of
+            # this thread's copy of tile j + STAGES - 1 goes out beside k-step kk (the copies
+            # spread over the products rather than queueing at once)
             for k in range(ACC):
                 acc[k] = 0.0
             for kk in range(KQ):
+                if copying and kk < CHUNK_STEPS:
+                    copy_chunk(c_dst, src, c_offset, c_bytes, kk, tid)
                 ks = kw + KSPLIT * kk
                 if KSTEPS % KSPLIT == 0 or ks < KSTEPS:      # (folds away when even)
                     k_step = tile + uint32(k_lane + 32 * ks)
@@ -425,6 +485,10 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
                         qa[4 * kk + 3], frag2[0], frag2[1])
                     mma(_ffi.from_buffer(acc[12:]), qa[4 * kk], qa[4 * kk + 1],
                         qa[4 * kk + 2], qa[4 * kk + 3], frag2[2], frag2[3])
+            for u in range(KQ, CHUNK_STEPS):    # (none when there are as many k-steps)
+                if copying:
+                    copy_chunk(c_dst, src, c_offset, c_bytes, u, tid)
+            tc.cp_async_commit()                # (empty groups keep the count uniform)
             # lane L's float32x4 of n-tile nt goes to [rt, kw, nt, L ^ 4 (nt % 2)]: each
             # 8-lane phase of a store fills 128 contiguous bytes, and the readers' phases too
             part = PART4 + (rt * KSPLIT + kw) * NT * 32
@@ -502,9 +566,9 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
                     o[GQ * 8 + k + 2] *= a_3
                     o[GQ * 8 + k + 3] *= a_3
             tree = tile_start + BN > P          # the tile holds tree slots (block-uniform)
-            pv_step(o, pa0, pa1, frag, kv_base + uint32(PROBS + p_lane),
+            pv_step(o, pa0, pa1, vf, kv_base + uint32(PROBS + p_lane),
                     tile + uint32(v_lane), warp, tree)              # slots 0-15
-            pv_step(o, pa0, pa1, frag, kv_base + uint32(PROBS + p_lane + 32),
+            pv_step(o, pa0, pa1, vf, kv_base + uint32(PROBS + p_lane + 32),
                     tile + uint32(v_lane + 2 * 16 * ROW), warp, tree)   # slots 16-31
 
         # The split's partial: out / l and m + log l per row (l summed over the row's lanes).
@@ -516,10 +580,22 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
             if row0 + r_own < rows:             # natural log: (m + log2 l) ln 2
                 part_lse[split, b, row0 + r_own] = ((m_own + math.log2(l_own)) * LN2
                                                     if l_own > 0 else NEG_INF)
-        cuda.syncthreads()                      # every row's 1 / l is written
-        write_rows(part_out, o, 0, smem_f32, split, b, row0 + g, rows, warp, g, t)
-        write_rows(part_out, o, GQ * 8, smem_f32, split, b, row0 + 16 + g, rows, warp, g + 16,
-                   t)
+        tc.cp_async_wait_all()                  # (only zero-size copies can be left)
+        cuda.syncthreads()                      # every row's 1 / l is written, and no warp
+        stage_rows(smem_f32, o, 0, g, warp, t)  # reads the tiles any more: the output is
+        stage_rows(smem_f32, o, GQ * 8, 16 + g, warp, t)    # staged where they were ...
+        cuda.syncthreads()                      # ... all of it
+        # ... and written row by row: warp w the rows it brought in, lane l the columns
+        # l, l + 32, ... (128 contiguous bytes per store instruction)
+        for rr in range(Q_ROWS):
+            r = Q_ROWS * warp + rr
+            if row0 + r < rows:
+                for u in range(Dc // 32):
+                    part_out[split, b, row0 + r, lane + 32 * u] = smem_f32[
+                        r * OUT_STRIDE + lane + 32 * u]
+                if Dc % 32 != 0 and lane + 32 * (Dc // 32) < Dc:
+                    part_out[split, b, row0 + r, lane + 32 * (Dc // 32)] = smem_f32[
+                        r * OUT_STRIDE + lane + 32 * (Dc // 32)]
 
     return mma_kernel
 
