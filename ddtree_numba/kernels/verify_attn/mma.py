@@ -172,6 +172,7 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
     RESCALE = float32(RESCALE_BELOW)
     ACC = 4 * NT                        # score accumulators per lane (local sizes: constants)
     V_REGS = 4 * GQ                     # V fragment registers of one P V k-step, per lane
+    COPIES_PER_STEP = 3                 # copy chunks issued beside each score k-step
     ROW_WORDS = ROW // 2                # 32-bit words per staged row
     LAT_STEPS = -(-Dc // 64)            # query pairs per lane and row: latent part ...
     ROPE_STEPS = -(-Dr // 64)           # ... and rope part (a warp reads a row at a time)
@@ -470,8 +471,9 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
             for k in range(ACC):
                 acc[k] = 0.0
             for kk in range(KQ):
-                if copying and kk < CHUNK_STEPS:
-                    copy_chunk(c_dst, src, c_offset, c_bytes, kk, tid)
+                for u in range(COPIES_PER_STEP * kk, COPIES_PER_STEP * (kk + 1)):
+                    if copying and u < CHUNK_STEPS:
+                        copy_chunk(c_dst, src, c_offset, c_bytes, u, tid)
                 ks = kw + KSPLIT * kk
                 if KSTEPS % KSPLIT == 0 or ks < KSTEPS:      # (folds away when even)
                     k_step = tile + uint32(k_lane + 32 * ks)
@@ -485,7 +487,7 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
                         qa[4 * kk + 3], frag2[0], frag2[1])
                     mma(_ffi.from_buffer(acc[12:]), qa[4 * kk], qa[4 * kk + 1],
                         qa[4 * kk + 2], qa[4 * kk + 3], frag2[2], frag2[3])
-            for u in range(KQ, CHUNK_STEPS):    # (none when there are as many k-steps)
+            for u in range(COPIES_PER_STEP * KQ, CHUNK_STEPS):  # (none for 576-wide rows)
                 if copying:
                     copy_chunk(c_dst, src, c_offset, c_bytes, u, tid)
             tc.cp_async_commit()                # (empty groups keep the count uniform)
