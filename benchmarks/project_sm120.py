@@ -5,7 +5,7 @@ H200, as measured (benchmarks/NOTES.md):
 
 * ``latency``: one dependent chain on one warp (build_tree's pops) -> SM clock ratio;
 * ``issue``: instruction issue over the whole GPU (draft_topk, verify_attn, its tensor-core
-  variant at 17-26 % of the mma.sync ceiling: one block of 8 warps an SM on both chips)
+  variant at 22-29 % of the mma.sync ceiling: one block of 8 warps an SM on both chips)
   -> (SMs x clock);
 * ``launch``: a few microseconds of graph launch and DRAM latency (tree_accept, commit_kv,
   accept_commit) -> unchanged.

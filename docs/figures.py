@@ -76,6 +76,13 @@ def _rows(name: str) -> list:
         return list(csv.DictReader(f))
 
 
+def _when(rows):
+    """``GPU, date`` of a results table; every date when the rows come from several runs (a
+    CSV whose rows were re-measured in part)."""
+    dates = sorted({r["date"] for r in rows})
+    return f"{rows[0]['gpu']}, {' and '.join(dates)}"
+
+
 def _table(rows, columns, headers, path, digits=1):
     lines = ["| " + " | ".join(headers) + " |", "|" + "---:|" * len(headers)]
     for r in rows:
@@ -89,7 +96,7 @@ def _table(rows, columns, headers, path, digits=1):
         lines.append("| " + " | ".join(cells) + " |")
     if rows:
         lines.append("")
-        lines.append(f"*{rows[0]['gpu']}, {rows[0]['date']}.*")
+        lines.append(f"*{_when(rows)}.*")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -100,10 +107,10 @@ def _stage_table(rows, stages, path):
     lines = ["| stage | " + " | ".join(f"{_cache_label(r)}, bs {r['bs']}, B {r['budget']}"
                                       for r in rows) + " |",
              "|---|" + "---:|" * len(rows)]
-    for st in stages:
-        lines.append(f"| `{st[:-3]}` | " + " | ".join(f"{float(r[st]):,.1f}" for r in rows)
-                     + " |")
-    lines += ["", f"*{rows[0]['gpu']}, {rows[0]['date']}; microseconds.*"]
+    for st in stages:                   # "-": a stage that the row's run did not have
+        lines.append(f"| `{st[:-3]}` | " + " | ".join(f"{float(r[st]):,.1f}" if r.get(st)
+                                                      else "-" for r in rows) + " |")
+    lines += ["", f"*{_when(rows)}; microseconds.*"]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -170,7 +177,7 @@ def performance_figures(out: str) -> None:
         handles, names = axes[0].get_legend_handles_labels()
         fig.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2,
                    fontsize=9, frameon=False)       # one legend, under both plots
-        fig.suptitle(f"GreedyStep, toy MLA target ({rows[0]['gpu']}, {rows[0]['date']})",
+        fig.suptitle(f"GreedyStep, toy MLA target ({_when(rows)})",
                      fontsize=10)
         fig.savefig(os.path.join(out, "perf_step.png"), dpi=110, bbox_inches="tight")
         plt.close(fig)

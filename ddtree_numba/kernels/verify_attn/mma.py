@@ -15,14 +15,19 @@ nodes, share the block) and one split of its slots (``splits.prefix_split_slots`
 size depends only on the request's own prefix length, so a row's result never depends on what
 else shares the launch or on the GPU's SM count). All 32 rows read the same 576-wide rows.
 
-Per tile of ``BN = 32`` slots (the cache rows arrive by ``cp.async`` into one of ``stages``
-shared buffers while earlier tiles are computed):
+Before the tiles: the block's 32 query rows are read once, every load in flight at once,
+rounded to 16 bits and stored in the staging buffer that the first tiles leave free; each warp
+takes the A fragments of its k-steps from there by ``ldmatrix`` (the first tile's copies are
+already on their way). Per tile of ``BN = 32`` slots (the cache rows arrive by ``cp.async``
+into one of ``stages`` shared buffers while earlier tiles are computed):
 
 1. ``S = Q K^T`` (32 rows x 32 slots over the 576 dims, 36 k-steps of 16). Warp ``w`` works
    on row tile ``rt = w // 4`` (16 rows) and the k-steps ``kw, kw + 4, ...`` of its
    ``kw = w % 4``: it holds the A fragments of those 9 k-steps of its 16 rows in registers for
    the whole split (all 36 would not fit beside the output) and reads its k-steps of the tile
-   once (two ``ldmatrix.x4`` per k-step: 32 slots x 16 dims, four ``mma``).
+   once (two ``ldmatrix.x4`` per k-step: 32 slots x 16 dims, four ``mma``). The copies of the
+   tile ``stages - 1`` ahead go out beside the first k-steps, three 16-byte chunks a thread
+   per k-step, rather than queueing at once.
 2. Reduce-scatter of the scores: the 4 partials of each row tile meet in shared memory, and
    each thread sums the 4 partials (in a fixed order: deterministic) of the 4 scores it owns:
    row ``r_own`` and slots ``8 nt + 2t, + 1`` for ``nt = nt_own, nt_own + 2``; the 8 lanes of
@@ -36,30 +41,40 @@ shared buffers while earlier tiles are computed):
 3. ``O += P V``: every warp reads the probabilities of all 32 rows (``ldmatrix.x4``: the A
    fragments) and owns the output columns of 16-column groups ``w, w + 8, ...`` (64 columns:
    64 float32 accumulators a lane for the two row tiles). V is the first ``Dc`` columns of the
-   same staged rows, read with ``ldmatrix.x4.trans``; each V fragment feeds four ``mma``.
+   same staged rows, read with ``ldmatrix.x4.trans``; each V fragment feeds four ``mma``. All
+   V fragments of a k-step are loaded before the products, so their loads overlap.
 
 Which thread touches which byte:
 
 * staging: thread ``tid`` copies slot ``tid // 8`` of the tile, 16-byte chunks ``tid % 8,
   tid % 8 + 8, ...`` of its row (8 neighbouring threads: 128 contiguous bytes). Its slot's
   page and in-page offset advance a tile at a time without a division, and its block-table
-  entry is read one tile before the copy that needs it. A slot past the split's end or with a
+  entry is read one tile before the copy that needs it (nothing consumes that load before the
+  next tile's barrier, so it never stalls a warp). A slot past the split's end or with a
   block-table entry outside the cache is filled with zeros by ``cp.async`` itself (source size
   0: nothing is read);
+* queries: warp ``w`` loads block rows ``4 w .. 4 w + 3``, lane ``l`` the pairs ``l, l + 32,
+  ...`` of each row's latent and rope parts (256 contiguous bytes per pair of loads), and
+  stores them packed into buffer ``stages - 1`` with the tiles' row stride;
 * shared memory (``SharedLayout``): ``stages`` tiles of 32 rows, each ``D + 8`` values wide
   (16 bytes of padding per row, so the 8 rows an ``ldmatrix`` reads at once start in 8
   different bank groups); the partial scores as float32x4 at ``[rt, kw, nt, lane ^ 4 (nt %
   2)]`` (the swizzle makes both the writers' and the readers' 128-byte phases conflict-free);
   the probability tile (rows 80 bytes apart: 8 rows in 8 bank groups), the rescale factors and
   the final ``1 / l`` of the 32 rows;
-* output: lane ``4 g + t`` of warp ``w`` writes rows ``g, g + 8, 16 + g, 24 + g`` (of the
-  block), columns ``16 c + 2t, + 1, + 8, + 9`` of its groups ``c`` of ``part_out``; the first
-  lane of each row's 8 writes the row's ``part_lse``. ``splits.merge`` combines the splits.
+* output: lane ``4 g + t`` of warp ``w`` puts rows ``g, g + 8, 16 + g, 24 + g`` (of the
+  block), columns ``16 c + 2t, + 1, + 8, + 9`` of its groups ``c``, divided by ``l``, into
+  a float32 ``[32, Dc + 4]`` staging area where the tiles were; then warp ``w`` writes rows
+  ``4 w .. 4 w + 3`` of ``part_out``, lane ``l`` the columns ``l, l + 32, ...`` (128-byte
+  stores). The first lane of each row's 8 writes the row's ``part_lse``. ``splits.merge``
+  combines the splits.
 
 Barriers per tile: one after the tile has landed (every thread waited for its own copies; the
 barrier makes all of them visible, and certifies that no warp still reads the buffer the next
 copies will overwrite, nor the probabilities of the tile before), one after the partial
-scores are written, one after the probabilities and rescale factors are written.
+scores are written, one after the probabilities and rescale factors are written. Outside
+the loop: one after the query rows are stored (before any warp reads its fragments), and two
+at the end (every ``1 / l`` written and no warp reading tiles any more; the output staged).
 
 Rows a query cannot see: their scores become ``-inf`` by a select, and in tiles that hold tree
 slots the V fragments are made finite (NaN and +-inf bit patterns become 0) before ``P V``,
@@ -67,13 +82,14 @@ since ``0 * NaN`` is NaN on the tensor cores too. Cache rows past ``P + num_node
 read. Unchecked inputs (``check=False``) are clamped: ``num_nodes`` to ``[0, N]``,
 ``prefix_lens`` to ``[0, capacity]``, slots to the block table's capacity, pages to the cache.
 
-Resources (``python -m ddtree_numba build-report``): one block of 8 warps per SM (222
-registers on sm_90, 194 on sm_120, no spills; launch bounds allow 255), 91.75 KB of dynamic
-shared memory with 2 stages. The SASS of the tile loop holds the 68 HMMA and 30 LDSM, no CALL
-(the one CALL of the kernel is the float32 division slow path of ``1 / l`` after the loop) and
-no local memory: the functions ``pv_step`` and ``write_rows`` are called once per k-step and
-row tile rather than looped, so every index of the accumulators stays a constant (a loop that
-sm_120's compiler left rolled put them in local memory).
+Resources (``python -m ddtree_numba build-report``): one block of 8 warps per SM (219
+registers on sm_90, 226 on sm_120, no spills; launch bounds allow 255), 91.75 KB of dynamic
+shared memory with 2 stages. The SASS of the tile loop holds the 68 HMMA and 30 LDSM (9 more
+LDSM before it take the query fragments), no CALL (the one CALL of the kernel is the float32
+division slow path of ``1 / l`` after the loop) and no local memory: the functions
+``pv_step`` and ``stage_rows`` are called once per k-step and row tile rather than looped, so
+every index of the accumulators stays a constant (a loop that sm_120's compiler left rolled
+put them in local memory).
 
 Precision: the cache is already 16-bit; the query rows are rounded to the cache's type when
 loaded, and the probabilities when stored for ``P V`` (as FlashAttention and FlashMLA do);
