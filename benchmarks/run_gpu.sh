@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One batched GPU session: the test suite on the device, then every benchmark.
 # Logs and CSVs go to $OUT (the device tool brings them back). Usage, from the repo root:
-#   bash benchmarks/run_gpu.sh [all|tests|bench|profile|attn|attn-mma|attn-profile|small|step|
-#                               sampling]
+#   bash benchmarks/run_gpu.sh [all|tests|bench|profile|attn|attn-mma|attn-profile|
+#                               attn-mma-stalls|small|step|sampling]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-benchmarks/results}
@@ -57,6 +57,16 @@ l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__inst_executed_op_shar
     grep -E "Duration|Registers|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|\
 Stall|Warp Cycles Per Issued|pipe_fma|inst_executed|bank_conflicts|wavefronts|Executed Ipc|Est. Local|stalled" \
         "$OUT/ncu_verify_attn.txt" | grep -v " 0$" | head -60
+fi
+if [ "$what" = attn-mma-stalls ]; then   # where the tensor-core kernel's warps wait, by phase
+    (cd benchmarks && timeout 240 ncu --clock-control none --kernel-name regex:mma_kernel \
+        --launch-skip 1 --launch-count 1 --section SourceCounters --section WarpStateStats \
+        --section SpeedOfLight --section Occupancy -o /tmp/attn_mma \
+        python3 profile_kernels.py --attention --bf16 --nodes 64 --prefix 8192 \
+        && ncu -i /tmp/attn_mma.ncu-rep --page source --csv --print-source sass \
+            > /tmp/attn_mma_source.csv && python3 stall_phases.py /tmp/attn_mma_source.csv) \
+        > "$OUT/ncu_attn_mma_stalls.txt" 2>&1
+    head -24 "$OUT/ncu_attn_mma_stalls.txt"
 fi
 if [ "$what" = attn ] || [ "$what" = all ]; then
     (cd benchmarks && OUT="$OUT" timeout 400 python3 bench_verify_attn.py) 2>&1 \
