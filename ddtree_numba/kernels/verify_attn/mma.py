@@ -119,7 +119,7 @@ ROW_TILES = WARPS // KSPLIT     # 16-row tiles per block (the M of one mma each)
 BM = 16 * ROW_TILES             # query rows per block: 32
 BN = 32             # slots per staged tile: the N of four score mma, the K of two P V mma
 NT = BN // 8        # 8-slot n-tiles of the scores per tile
-BLOCKS_PER_SM = 1   # launch bounds: up to 255 registers (222 on sm_90; 128 would spill)
+BLOCKS_PER_SM = 1   # launch bounds: up to 255 registers (219 on sm_90; 128 would spill)
 RESCALE_BELOW = 8.0     # the reference max of a row moves only when a score passes it by
                         # more than this (base 2): probabilities up to 2^8, rare rescales
 P_STRIDE = BN + 8   # probability tile row stride in 16-bit values (80 bytes: see below)
@@ -222,7 +222,7 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
     def table_entry(block_table, b, page_index):
         """The block-table entry of page ``page_index`` of request ``b`` (clamped to the
         table: the slots a tile ahead may lie past it). Read one tile before the copy that
-        needs it and used only there (``stage`` checks the slot): nothing consumes the load
+        needs it and used only there (``copy_plan`` checks the slot): nothing consumes the load
         before the next tile's barrier, so its latency hides behind a tile of products."""
         return block_table[b, min(page_index, uint32(block_table.shape[1] - 1))]
 
@@ -481,9 +481,9 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
             st_entry = table_entry(block_table, b, st_page)
             tile = kv_base + uint32(TILE_BYTES * (j % STAGES))
 
-            # 1. partial scores of this warp's k-steps: its 16 rows x 32 slots; chunk kk of
-            # this thread's copy of tile j + STAGES - 1 goes out beside k-step kk (the copies
-            # spread over the products rather than queueing at once)
+            # 1. partial scores of this warp's k-steps: its 16 rows x 32 slots; chunks 3 kk ..
+            # 3 kk + 2 of this thread's copy of tile j + STAGES - 1 go out beside k-step kk
+            # (the copies spread over the products rather than queueing at once)
             for k in range(ACC):
                 acc[k] = 0.0
             for kk in range(KQ):
@@ -503,7 +503,7 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
                         qa[4 * kk + 3], frag2[0], frag2[1])
                     mma(_ffi.from_buffer(acc[12:]), qa[4 * kk], qa[4 * kk + 1],
                         qa[4 * kk + 2], qa[4 * kk + 3], frag2[2], frag2[3])
-            for u in range(COPIES_PER_STEP * KQ, CHUNK_STEPS):  # (none for 576-wide rows)
+            for u in range(COPIES_PER_STEP * KQ, CHUNK_STEPS):  # (none: CHUNK_STEPS == KQ)
                 if copying:
                     copy_chunk(c_dst, src, c_offset, c_bytes, u, tid)
             tc.cp_async_commit()                # (empty groups keep the count uniform)
@@ -598,7 +598,7 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
             if row0 + r_own < rows:             # natural log: (m + log2 l) ln 2
                 part_lse[split, b, row0 + r_own] = ((m_own + math.log2(l_own)) * LN2
                                                     if l_own > 0 else NEG_INF)
-        tc.cp_async_wait_all()                  # (only zero-size copies can be left)
+        tc.cp_async_wait_all()                  # (none can be left: a safeguard)
         cuda.syncthreads()                      # every row's 1 / l is written, and no warp
         stage_rows(smem_f32, o, 0, g, warp, t)  # reads the tiles any more: the output is
         stage_rows(smem_f32, o, GQ * 8, 16 + g, warp, t)    # staged where they were ...
