@@ -365,3 +365,44 @@ def test_kernel_never_reads_invisible_rows_real_shapes(dtype):
                                      **kw)
             check_rows_against_reference(out.copy_to_host(), lse.copy_to_host(), want_out,
                                          want_lse, checked, clean[6], "tiled")
+
+
+def test_prefix_merge_combines_the_splits_by_log_sum_exp():
+    """The mma variant's merge (``splits._merge_prefix_kernel``, plain numba: it runs on the
+    simulator too): per row, ``out = sum_s w_s out_s / sum_s w_s`` with ``w_s = exp(lse_s -
+    max lse)``, over the splits that the request's own prefix gives it; splits that saw
+    nothing (``lse -inf``) weigh 0; padding rows are zero with ``lse -inf``; partials past a
+    request's splits (garbage: NaN here) are never read into a result."""
+    from numba import cuda
+
+    from ddtree_numba.kernels.verify_attn import splits as sp
+
+    rng = np.random.default_rng(4)
+    bs, N, H, Dc, capacity = 3, 5, 2, 40, 4096
+    prefix = np.array([0, 300, 2000], np.int32)
+    nodes = np.array([5, 3, 0], np.int32)
+    S = sp.max_prefix_splits(N)
+    part_out = np.full((S, bs, N * H, Dc), np.nan, np.float32)
+    part_lse = np.full((S, bs, N * H), np.nan, np.float32)
+    want_out = np.zeros((bs, N, H, Dc), np.float32)
+    want_lse = np.full((bs, N, H), -np.inf, np.float32)
+    for b in range(bs):
+        P, n = int(prefix[b]), int(nodes[b])
+        per = sp._prefix_split_slots(P)
+        used = -(-min(P + n, capacity) // per)
+        part_out[:used, b] = rng.standard_normal((used, N * H, Dc))
+        part_lse[:used, b] = rng.standard_normal((used, N * H)) * 3
+        if used > 1:
+            part_lse[1, b, 0] = -np.inf                 # a split that saw no visible slot
+        for row in range(n * H):
+            lse_s = part_lse[:used, b, row].astype(np.float64)
+            w = np.exp(lse_s - lse_s.max())
+            want_out[b, row // H, row % H] = (w @ part_out[:used, b, row]) / w.sum()
+            want_lse[b, row // H, row % H] = lse_s.max() + np.log(w.sum())
+    out = cuda.to_device(np.full((bs, N, H, Dc), 7.0, np.float32))
+    lse = cuda.to_device(np.full((bs, N, H), 7.0, np.float32))
+    sp._merge_prefix_kernel[(N * H, bs), 32](
+        cuda.to_device(part_out), cuda.to_device(part_lse), cuda.to_device(prefix),
+        cuda.to_device(nodes), capacity, out, lse)
+    np.testing.assert_allclose(out.copy_to_host(), want_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse.copy_to_host(), want_lse, rtol=1e-5, atol=1e-6)
