@@ -1,17 +1,17 @@
 """benchmarks/stall_phases.py: Nsight Compute's stall samples summed by phase of the hot loop."""
 
 import csv
+import importlib.util
 import io
 import os
-import subprocess
-import sys
 
 import pytest
+from scripts import ROOT, run
 
-BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "benchmarks")
-sys.path.insert(0, BENCHMARKS)
-import stall_phases  # noqa: E402
+SCRIPT = os.path.join(ROOT, "benchmarks", "stall_phases.py")
+_spec = importlib.util.spec_from_file_location("stall_phases", SCRIPT)
+stall_phases = importlib.util.module_from_spec(_spec)     # a script, not a package module
+_spec.loader.exec_module(stall_phases)
 
 REASONS = ["stall_long_sb", "stall_barrier", "stall_short_sb"]
 
@@ -65,7 +65,6 @@ def test_a_kernel_without_a_loop_or_a_bad_file_is_one_line_and_exit_2(tmp_path):
         stall_phases.hot_loop(rows)
     bad = tmp_path / "bad.csv"
     bad.write_text("not a source page\n")
-    done = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "stall_phases.py"),
-                           str(bad)], capture_output=True, text=True)
+    done = run([SCRIPT, str(bad)])
     assert done.returncode == 2 and done.stderr.count("\n") == 1
     assert done.stderr.startswith("stall_phases: cannot read")

@@ -189,6 +189,8 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
     ACC = 4 * NT                        # score accumulators per lane (local sizes: constants)
     V_REGS = 4 * GQ                     # V fragment registers of one P V k-step, per lane
     COPIES_PER_STEP = 3                 # copy chunks issued beside each score k-step
+    assert CHUNK_STEPS <= COPIES_PER_STEP * KQ  # the k-steps carry every chunk (both are
+                                                # ceil(D / 64): 16-byte chunks, 8 threads a row)
     ROW_WORDS = ROW // 2                # 32-bit words per staged row
     LAT_STEPS = -(-Dc // 64)            # query pairs per lane and row: latent part ...
     ROPE_STEPS = -(-Dr // 64)           # ... and rope part (a warp reads a row at a time)
@@ -503,9 +505,6 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
                         qa[4 * kk + 3], frag2[0], frag2[1])
                     mma(_ffi.from_buffer(acc[12:]), qa[4 * kk], qa[4 * kk + 1],
                         qa[4 * kk + 2], qa[4 * kk + 3], frag2[2], frag2[3])
-            for u in range(COPIES_PER_STEP * KQ, CHUNK_STEPS):  # (none: CHUNK_STEPS == KQ)
-                if copying:
-                    copy_chunk(c_dst, src, c_offset, c_bytes, u, tid)
             tc.cp_async_commit()                # (empty groups keep the count uniform)
             # lane L's float32x4 of n-tile nt goes to [rt, kw, nt, L ^ 4 (nt % 2)]: each
             # 8-lane phase of a store fills 128 contiguous bytes, and the readers' phases too
