@@ -1,9 +1,13 @@
 """Benchmark: verify_attn on 16-bit caches, the tensor-core variant ("mma") against the tiled
 CUDA-core variant, torch bfloat16 eager, and an mma.sync ceiling measured in the same run.
 
-Ceiling: a numba kernel whose warps issue independent chains of ``mma.sync.m16n8k16`` (bf16 in,
-float32 accumulate) through the same wrapper, no memory traffic: the most this instruction
-gives on this GPU (``mma_ceiling_tflops``). Configurations: the targets of the tensor-core work
+Ceilings, measured in the same run: a numba kernel whose warps issue independent chains of
+``mma.sync.m16n8k16`` (bf16 in, float32 accumulate) through the same wrapper, no memory
+traffic: the most this instruction gives on this GPU (``mma_ceiling_tflops``); and a kernel
+whose warps issue independent conflict-free ``ldmatrix.x4`` (``shared_tbps``: the shared-memory
+bandwidth, all SMs). The kernel's tiling spends ``mma.shared_traffic`` bytes of shared-memory
+bandwidth per tile, so ``shared_roofline_tflops = shared_tbps x FLOPs per byte`` is the most
+any schedule of this tiling can reach. Configurations: the targets of the tensor-core work
 (bs 1 N 16 P 1024 H 128; P >= 8192 with H N >= 1024; the per-GPU shapes of 8-way tensor
 parallelism, Kimi-K2 H = 8 and DeepSeek-V3 H = 16). bfloat16 cache, Dc = 512, Dr = 64, 64-row
 pages, shuffled. FLOPs as in bench_verify_attn: ``2 bs N H T (Dc + Dr + Dc)``, ``T = P + N``.
@@ -25,12 +29,13 @@ import numpy as np
 import torch
 from bench_verify_attn import TorchOps, additive_masks, baseline, make_problem
 from harness import Bench, print_table
-from numba import cuda, float32, uint32
+from numba import cuda, float32, uint16, uint32
 
 from ddtree_numba import kernels as K
 from ddtree_numba import reference as ref
 from ddtree_numba.kernels import tensor_core as tc
 from ddtree_numba.kernels._device import launch
+from ddtree_numba.kernels.verify_attn import mma
 
 kva = importlib.import_module("ddtree_numba.kernels.verify_attn")
 _ffi = cffi.FFI()
@@ -63,10 +68,59 @@ def mma_ceiling_tflops(bench: Bench) -> float:
     return flops / (t["ms"] * 1e-3) / 1e12
 
 
+LD_BYTES = 16384            # the shared tile the ldmatrix stream reads ...
+LD_VALUES = LD_BYTES // 2   # ... in 16-bit values (array sizes must be plain constants)
+LD_UNROLL = 8               # independent ldmatrix.x4 per round
+
+
+@cuda.jit
+def ldmatrix_stream(out, seed, rounds, advance):
+    # each warp reads 512 contiguous bytes per ldmatrix.x4 (lane l: row address 16 l; each
+    # 8-lane phase 128 contiguous bytes, no bank conflict), LD_UNROLL in flight per round.
+    # ldmatrix is an ordinary load to the compiler: were two rounds to read provably equal
+    # addresses it would keep one, so the rounds' offset advances by ``advance`` bytes, a
+    # runtime value, within the tile. One XOR per load keeps it alive: few instructions
+    # besides the loads, so the shared-memory pipe, not instruction issue, sets the rate.
+    tile = cuda.shared.array(LD_VALUES, uint16)
+    tid = cuda.threadIdx.x
+    for k in range(tid, LD_VALUES, cuda.blockDim.x):
+        tile[k] = uint16(k) ^ uint16(seed)
+    cuda.syncthreads()                  # the tile is written
+    base = tc.shared_address(_ffi.from_buffer(tile)) + uint32(16 * (tid % 32))
+    frag = cuda.local.array(4, uint32)
+    acc = uint32(0)
+    offset = uint32(512 * (tid // 32 % 8))
+    for _ in range(rounds):
+        for u in range(LD_UNROLL):      # 8 blocks of 512 bytes from ``offset``, mod 16 KB
+            at = (offset + uint32(512 * u)) % uint32(LD_BYTES)
+            tc.ldmatrix_x4(_ffi.from_buffer(frag), base + at)
+            acc ^= frag[0]
+        offset += uint32(advance)
+    out[cuda.grid(1)] = acc
+
+
+def shared_tbps(bench: Bench) -> float:
+    """Shared-memory bandwidth of the whole GPU, TB/s, as ldmatrix.x4 streams reach it (4
+    wavefronts of 128 bytes each, as the kernel's reads of its staged tiles)."""
+    blocks, threads, rounds = 132 * 8, 256, 128
+    out = cuda.device_array(blocks * threads, np.uint32)
+    t = bench.time_device(lambda: launch(ldmatrix_stream, blocks, threads)(
+        out, 0x1234, rounds, 4096 + 512), reps=10)
+    nbytes = blocks * (threads // 32) * rounds * LD_UNROLL * 512
+    return nbytes / (t["ms"] * 1e-3) / 1e12
+
+
 def main():
     bench = Bench("verify_attn_mma")
     ceiling = mma_ceiling_tflops(bench)
-    print(f"mma.sync ceiling {ceiling:.1f} TFLOP/s", flush=True)
+    smem = shared_tbps(bench)
+    traffic = mma.shared_traffic(512, 64)
+    per_byte = 2 * mma.BM * mma.BN * (512 + 64 + 512) / sum(traffic.values())
+    roofline = smem * per_byte
+    print(f"mma.sync ceiling {ceiling:.1f} TFLOP/s; shared memory {smem:.1f} TB/s x "
+          f"{per_byte:.2f} FLOP/B of the tiling = roofline {roofline:.1f} TFLOP/s "
+          f"({100 * roofline / ceiling:.1f} % of the mma ceiling)", flush=True)
+    print("shared-memory bytes per tile:", traffic, flush=True)
     rng = np.random.default_rng(0)
     sm_scale = ref.deepseek_sm_scale()
     configs = [(1, 16, 1024, 128), (1, 64, 8192, 128), (1, 16, 8192, 128),
@@ -93,6 +147,7 @@ def main():
             row[f"{variant}_us"] = t["ms"] * 1e3
             row[f"{variant}_tflops"] = flops / (t["ms"] * 1e-3) / 1e12
         row["pct_of_mma_ceiling"] = 100 * row["mma_tflops"] / ceiling
+        row["pct_of_shared_roofline"] = 100 * row["mma_tflops"] / roofline
         if N * H * T * 2 <= 2 << 30:
             slots = np.arange(T)
             pages, offs = table[:, slots // 64], slots % 64
@@ -119,17 +174,19 @@ def main():
             want, _ = ref.verify_attn(*host, sm_scale=sm_scale)
             row["max_err_over_max_c"] = float(np.abs(got[:1] - want).max()
                                               / np.abs(host[2][..., :512]).max())
-        bench.add(**row, mma_ceiling_tflops=ceiling)
+        bench.add(**row, mma_ceiling_tflops=ceiling, shared_tbps=smem,
+                  shared_roofline_tflops=roofline)
         bench.write_csv()
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()},
               flush=True)
         cp.get_default_memory_pool().free_all_blocks()
         torch.cuda.empty_cache()
     print_table(bench.rows, ["bs", "N", "prefix", "H", "mma_us", "mma_tflops",
-                             "pct_of_mma_ceiling", "tiled_us", "torch_bf16_us",
-                             "speedup_vs_torch", "max_err_over_max_c"],
+                             "pct_of_mma_ceiling", "pct_of_shared_roofline", "tiled_us",
+                             "torch_bf16_us", "speedup_vs_torch", "max_err_over_max_c"],
                 f"verify_attn (mma, bf16 cache) on {bench.gpu}, {bench.date}; mma.sync "
-                f"ceiling {ceiling:.1f} TFLOP/s")
+                f"ceiling {ceiling:.1f} TFLOP/s, shared-memory roofline of the tiling "
+                f"{roofline:.1f} TFLOP/s ({smem:.1f} TB/s)")
 
 
 if __name__ == "__main__":

@@ -406,3 +406,20 @@ def test_prefix_merge_combines_the_splits_by_log_sum_exp():
         cuda.to_device(nodes), capacity, out, lse)
     np.testing.assert_allclose(out.copy_to_host(), want_out, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(lse.copy_to_host(), want_lse, rtol=1e-5, atol=1e-6)
+
+
+def test_mma_shared_traffic_matches_the_tiling():
+    """The mma variant's shared-memory model (the benchmark's roofline) against the tiling
+    counted by hand: every staged row written once, its 576 values read once per row tile
+    (two row tiles of 16 query rows), its first 512 (V) read once, and the float32 partial
+    scores of 4 k-warps per row tile written and read once."""
+    from ddtree_numba.kernels.verify_attn import mma
+
+    t = mma.shared_traffic(512, 64)
+    row_bytes = 2 * (512 + 64)
+    assert t["copies in (cp.async)"] == mma.BN * row_bytes
+    assert t["K fragments (scores)"] == mma.ROW_TILES * mma.BN * row_bytes
+    assert t["V fragments (P V)"] == mma.BN * 2 * 512
+    assert t["partial scores, written and read"] == 2 * mma.ROW_TILES * mma.KSPLIT * 16 * 4 * mma.BN
+    flops = 2 * mma.BM * mma.BN * (512 + 64 + 512)
+    assert 11.0 < flops / sum(t.values()) < 11.3       # the roofline's FLOPs per byte

@@ -158,6 +158,30 @@ def shared_layout(Dc: int, Dr: int, stages: int) -> SharedLayout:
     return SharedLayout(stages, tile, partial, probs, alpha, inverse, inverse + BM * 4)
 
 
+def shared_traffic(Dc: int, Dr: int) -> dict:
+    """Bytes of shared-memory bandwidth one block spends per full tile of the loop, by region,
+    counted from the instructions (a 128-byte wavefront per request, as the banks serve them:
+    an ``ldmatrix.x4`` is 4, a float32x4 store by a warp 4, a 4-byte load by a warp 1).
+
+    With ``2 BM BN (D + Dc)`` FLOPs per tile this sets a roofline for this tiling that no
+    schedule can pass: ``FLOPs / bytes`` times the shared-memory bandwidth. For 576-wide rows
+    it is 195 KB per 2.23 MFLOP, about 11.2 FLOPs a byte (the benchmark measures both rates).
+    """
+    D = Dc + Dr
+    KQ = -(-(D // 16) // KSPLIT)
+    GQ = -(-(Dc // 16) // WARPS)
+    wave = 128
+    ldsm = 4 * wave                     # one ldmatrix.x4: 512 bytes
+    return {
+        "copies in (cp.async)": BN * D * 2,
+        "K fragments (scores)": WARPS * KQ * 2 * ldsm,      # two x4 a k-step, every warp
+        "partial scores, written and read": 2 * WARPS * NT * 4 * wave,
+        "probabilities, written and read": WARPS * (2 * wave + (BN // 16) * 2 * ldsm),
+        "rescale factors": WARPS * 5 * wave,               # 1 store (first lanes), 4 loads
+        "V fragments (P V)": WARPS * (BN // 16) * GQ * ldsm,
+    }
+
+
 def supported(kind: str, Dc: int, Dr: int) -> bool:
     """Whether the mma variant handles a ``kind`` cache of ``Dc + Dr`` wide rows."""
     return kind in ("bfloat16", "float16") and Dc % 16 == 0 and Dr % 16 == 0 and Dc > 0
