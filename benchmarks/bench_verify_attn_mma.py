@@ -5,9 +5,11 @@ Ceilings, measured in the same run: a numba kernel whose warps issue independent
 ``mma.sync.m16n8k16`` (bf16 in, float32 accumulate) through the same wrapper, no memory
 traffic: the most this instruction gives on this GPU (``mma_ceiling_tflops``); and a kernel
 whose warps issue independent conflict-free ``ldmatrix.x4`` (``shared_tbps``: the shared-memory
-bandwidth, all SMs). The kernel's tiling spends ``mma.shared_traffic`` bytes of shared-memory
-bandwidth per tile, so ``shared_roofline_tflops = shared_tbps x FLOPs per byte`` is the most
-any schedule of this tiling can reach. Configurations: the targets of the tensor-core work
+bandwidth, all SMs). The kernel's tiling makes ``mma.shared_traffic`` bytes of shared-memory
+loads and stores per tile, so ``shared_roofline_tflops = shared_tbps x FLOPs per byte`` of
+them is the most any schedule of this tiling can reach (its cp.async copies are left out of
+the bound: whether they cost the same pipe is not known; the header line also prints the
+bound with them counted as stores). Configurations: the targets of the tensor-core work
 (bs 1 N 16 P 1024 H 128; P >= 8192 with H N >= 1024; the per-GPU shapes of 8-way tensor
 parallelism, Kimi-K2 H = 8 and DeepSeek-V3 H = 16). bfloat16 cache, Dc = 512, Dr = 64, 64-row
 pages, shuffled. FLOPs as in bench_verify_attn: ``2 bs N H T (Dc + Dr + Dc)``, ``T = P + N``.
@@ -59,8 +61,12 @@ def mma_chains(out, seed):
     out[cuda.grid(1)] = total
 
 
+def sm_count() -> int:
+    return cuda.get_current_device().MULTIPROCESSOR_COUNT
+
+
 def mma_ceiling_tflops(bench: Bench) -> float:
-    blocks, threads = 132 * 16, 128
+    blocks, threads = sm_count() * 16, 128
     out = cuda.device_array(blocks * threads, np.float32)
     seed = 0x3F803F80                                   # bf16 pairs of 1.0
     t = bench.time_device(lambda: launch(mma_chains, blocks, threads)(out, seed), reps=10)
@@ -75,13 +81,15 @@ LD_UNROLL = 8               # independent ldmatrix.x4 per round
 
 @cuda.jit
 def ldmatrix_stream(out, seed, rounds, advance):
-    # each warp reads 512 contiguous bytes per ldmatrix.x4 (lane l: row address 16 l; each
-    # 8-lane phase 128 contiguous bytes, no bank conflict), LD_UNROLL in flight per round.
-    # ldmatrix is an ordinary load to the compiler: were two rounds to read provably equal
-    # addresses it would keep one, so the rounds' offset advances by ``advance`` bytes, a
-    # runtime value, within the tile. One XOR per load keeps it alive: few instructions
+    # Each warp reads a 512-byte block of the tile per ldmatrix.x4 (lane l gives the row
+    # address 16 l: each 8-lane phase reads 128 contiguous bytes, no bank conflict), LD_UNROLL
+    # blocks in flight per round; warp w starts at block w % 8 so that the warps of a block
+    # spread over the tile. An earlier draft whose rounds repeated the same addresses executed
+    # only about half its ldmatrix (Nsight Compute's count), so every round here moves on by
+    # ``advance`` bytes (a runtime value, a multiple of 512), wrapped to the tile by a mask
+    # that keeps every block inside it. One XOR per load keeps it alive: few instructions
     # besides the loads, so the shared-memory pipe, not instruction issue, sets the rate.
-    tile = cuda.shared.array(LD_VALUES, uint16)
+    tile = cuda.shared.array(LD_VALUES, uint16, alignment=16)   # ldmatrix rows: 16 bytes
     tid = cuda.threadIdx.x
     for k in range(tid, LD_VALUES, cuda.blockDim.x):
         tile[k] = uint16(k) ^ uint16(seed)
@@ -92,7 +100,7 @@ def ldmatrix_stream(out, seed, rounds, advance):
     offset = uint32(512 * (tid // 32 % 8))
     for _ in range(rounds):
         for u in range(LD_UNROLL):      # 8 blocks of 512 bytes from ``offset``, mod 16 KB
-            at = (offset + uint32(512 * u)) % uint32(LD_BYTES)
+            at = (offset + uint32(512 * u)) & uint32(LD_BYTES - 512)   # a block in the tile
             tc.ldmatrix_x4(_ffi.from_buffer(frag), base + at)
             acc ^= frag[0]
         offset += uint32(advance)
@@ -102,7 +110,7 @@ def ldmatrix_stream(out, seed, rounds, advance):
 def shared_tbps(bench: Bench) -> float:
     """Shared-memory bandwidth of the whole GPU, TB/s, as ldmatrix.x4 streams reach it (4
     wavefronts of 128 bytes each, as the kernel's reads of its staged tiles)."""
-    blocks, threads, rounds = 132 * 8, 256, 128
+    blocks, threads, rounds = sm_count() * 8, 256, 128
     out = cuda.device_array(blocks * threads, np.uint32)
     t = bench.time_device(lambda: launch(ldmatrix_stream, blocks, threads)(
         out, 0x1234, rounds, 4096 + 512), reps=10)
@@ -115,11 +123,15 @@ def main():
     ceiling = mma_ceiling_tflops(bench)
     smem = shared_tbps(bench)
     traffic = mma.shared_traffic(512, 64)
-    per_byte = 2 * mma.BM * mma.BN * (512 + 64 + 512) / sum(traffic.values())
-    roofline = smem * per_byte
+    flops_per_tile = 2 * mma.BM * mma.BN * (512 + 64 + 512)
+    copies = traffic["copies in (cp.async, apart)"]
+    per_byte = flops_per_tile / (sum(traffic.values()) - copies)     # loads and stores
+    roofline = smem * per_byte          # the bound: the pipe must serve the loads and stores
+    with_copies = smem * flops_per_tile / sum(traffic.values())     # if copies cost as much
     print(f"mma.sync ceiling {ceiling:.1f} TFLOP/s; shared memory {smem:.1f} TB/s x "
-          f"{per_byte:.2f} FLOP/B of the tiling = roofline {roofline:.1f} TFLOP/s "
-          f"({100 * roofline / ceiling:.1f} % of the mma ceiling)", flush=True)
+          f"{per_byte:.2f} FLOP/B of the tiling's loads and stores = roofline "
+          f"{roofline:.1f} TFLOP/s ({100 * roofline / ceiling:.1f} % of the mma ceiling); "
+          f"{with_copies:.1f} if the cp.async copies cost the pipe as stores do", flush=True)
     print("shared-memory bytes per tile:", traffic, flush=True)
     rng = np.random.default_rng(0)
     sm_scale = ref.deepseek_sm_scale()

@@ -160,25 +160,34 @@ def shared_layout(Dc: int, Dr: int, stages: int) -> SharedLayout:
 
 def shared_traffic(Dc: int, Dr: int) -> dict:
     """Bytes of shared-memory bandwidth one block spends per full tile of the loop, by region,
-    counted from the instructions (a 128-byte wavefront per request, as the banks serve them:
-    an ``ldmatrix.x4`` is 4, a float32x4 store by a warp 4, a 4-byte load by a warp 1).
+    counted from the instructions the tile executes (8 warps): a request costs one 128-byte
+    wavefront per bank pass, so an ``ldmatrix.x4`` costs 4 (512 bytes), a warp's float32x4
+    store 4, a float2 load 2, a 4-byte load 1, and a 2-way bank conflict doubles its store.
 
-    With ``2 BM BN (D + Dc)`` FLOPs per tile this sets a roofline for this tiling that no
-    schedule can pass: ``FLOPs / bytes`` times the shared-memory bandwidth. For 576-wide rows
-    it is 195 KB per 2.23 MFLOP, about 11.2 FLOPs a byte (the benchmark measures both rates).
+    The loads and stores (every region but the first) are what the shared-memory pipe must
+    serve whatever the schedule: with ``2 BM BN (D + Dc)`` FLOPs per tile they bound the
+    kernel at ``FLOPs / bytes`` times the pipe's bandwidth (the benchmark's roofline). The
+    ``cp.async`` copies also write the tile into shared memory, but through the L1 fill path;
+    whether they take the same bandwidth is not known from the instruction count (Nsight
+    Compute charges a warp's copy about 1.4 wavefronts, not 4), so they are listed apart.
+    For 576-wide rows: 164 864 bytes of loads and stores and 36 864 of copies per 2.23 MFLOP.
     """
     D = Dc + Dr
-    KQ = -(-(D // 16) // KSPLIT)
-    GQ = -(-(Dc // 16) // WARPS)
     wave = 128
-    ldsm = 4 * wave                     # one ldmatrix.x4: 512 bytes
+    ldsm = 4 * wave                     # one ldmatrix.x4: 4 matrices of 8 rows x 16 bytes
+    k_steps = D // 16                   # the score k-steps; each row tile's warps do all of
+    groups = Dc // 16                   # them once. P V: 16-column groups, each read by one
+    pv_steps = BN // 16                 # warp per k-step of 16 slots
     return {
-        "copies in (cp.async)": BN * D * 2,
-        "K fragments (scores)": WARPS * KQ * 2 * ldsm,      # two x4 a k-step, every warp
-        "partial scores, written and read": 2 * WARPS * NT * 4 * wave,
-        "probabilities, written and read": WARPS * (2 * wave + (BN // 16) * 2 * ldsm),
-        "rescale factors": WARPS * 5 * wave,               # 1 store (first lanes), 4 loads
-        "V fragments (P V)": WARPS * (BN // 16) * GQ * ldsm,
+        "copies in (cp.async, apart)": BN * D * 2,
+        "K fragments (scores)": ROW_TILES * k_steps * 2 * ldsm,     # two x4 per k-step
+        "partial scores, written and read":                         # NT float32x4 stores,
+            WARPS * (NT * 4 + KSPLIT * 2 * 2) * wave,               # 2 float2 loads per k-warp
+        "probabilities, written and read":                          # two 4-byte stores a lane
+            WARPS * (2 * 2 * wave + pv_steps * 2 * ldsm),           # (rows r, r + 8 share
+                                                                    # banks: 2 passes each)
+        "rescale factors": WARPS * 5 * wave,                        # 1 store, 4 loads
+        "V fragments (P V)": groups * pv_steps * ldsm,
     }
 
 
