@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One batched GPU session: the test suite on the device, then every benchmark.
 # Logs and CSVs go to $OUT (the device tool brings them back). Usage, from the repo root:
-#   bash benchmarks/run_gpu.sh [all|tests|bench|profile|attn|attn-mma|attn-profile|
-#                               attn-mma-stalls|small|step|sampling]
+#   bash benchmarks/run_gpu.sh [all|tests|tests-a|tests-b|bench|profile|attn|attn-mma|
+#                               attn-profile|attn-mma-stalls|small|step|sampling]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-benchmarks/results}
@@ -18,19 +18,27 @@ fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu \
     --format=csv | tee "$OUT/gpu.txt"
 python3 -m ddtree_numba info | tee -a "$OUT/gpu.txt"
-if [ "$what" = tests ] || [ "$what" = all ]; then
-    # One command of about 9.5 minutes with 16 workers (H200 host, 16 cores; 565 s measured,
-    # close to a device command's 600 s), the files of whole steps and examples first: each of
-    # their tests takes one to four minutes while its worker compiles the step's kernels, so
-    # none may start late (xdist deals the first quarter of the tests round-robin in command-
-    # line order, then hands out the rest one at a time as workers finish: conftest.py).
+if [ "$what" = tests ] || [ "$what" = tests-a ] || [ "$what" = tests-b ] || [ "$what" = all ]
+then
+    # One command of about 10 minutes with 16 workers (H200 host, 16 cores; 565 s measured at
+    # 1 300 tests, and 585 s cut the last 1 % at 1 350: at a device command's 600 s), the files
+    # of whole steps and examples first: each of their tests takes one to four minutes while
+    # its worker compiles the step's kernels, so none may start late (xdist deals the first
+    # quarter of the tests round-robin in command-line order, then hands out the rest one at a
+    # time as workers finish: conftest.py). tests-a runs those files alone, tests-b the rest:
+    # two commands that each fit a device command with room to spare.
     first="tests/test_examples.py tests/test_greedy_step.py tests/test_sampled_step.py
            tests/test_tree_sample_lossless.py tests/test_deepseek_v3.py tests/test_verify_attn.py
            tests/test_build_tree.py"
     rest=$(ls tests/test_*.py | grep -v -x -F "$(tr -s ' \n' '\n' <<< "$first")")
+    case $what in
+        tests-a) files=$first ;;
+        tests-b) files=$rest ;;
+        *) files="$first $rest" ;;
+    esac
     # shellcheck disable=SC2086  # the file lists are meant to split into arguments
     DDTREE_GPU=1 timeout 585 python3 -m pytest -n 16 -q -p no:cacheprovider \
-        -W ignore::pytest.PytestWarning -rfE --tb=long $first $rest 2>&1 \
+        -W ignore::pytest.PytestWarning -rfE --tb=long $files 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -15
 fi
 if [ "$what" = profile ] || [ "$what" = all ]; then
