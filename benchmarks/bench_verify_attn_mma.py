@@ -36,7 +36,7 @@ from numba import cuda, float32, uint16, uint32
 from ddtree_numba import kernels as K
 from ddtree_numba import reference as ref
 from ddtree_numba.kernels import tensor_core as tc
-from ddtree_numba.kernels._device import launch
+from ddtree_numba.kernels._device import launch, sm_count
 from ddtree_numba.kernels.verify_attn import mma
 
 kva = importlib.import_module("ddtree_numba.kernels.verify_attn")
@@ -59,10 +59,6 @@ def mma_chains(out, seed):
     for k in range(ACC):
         total += acc[k]
     out[cuda.grid(1)] = total
-
-
-def sm_count() -> int:
-    return cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
 def mma_ceiling_tflops(bench: Bench) -> float:
