@@ -14,6 +14,11 @@ bound with them counted as stores). Configurations: the targets of the tensor-co
 parallelism, Kimi-K2 H = 8 and DeepSeek-V3 H = 16). bfloat16 cache, Dc = 512, Dr = 64, 64-row
 pages, shuffled. FLOPs as in bench_verify_attn: ``2 bs N H T (Dc + Dr + Dc)``, ``T = P + N``.
 
+The merge: ``mma_us`` is what ``verify_attn`` launches; ``fused_merge_us`` the kernel that
+merges its own splits, ``two_launch_us`` the kernel without that merge and the merge kernel
+after it (both forms give the same bits; ``verify_attn`` picks by the launch's row blocks),
+``merge_kernel_us`` the merge kernel alone.
+
 Accuracy column: the largest error of the mma output against the float64 reference (from the
 unrounded float32 queries), as a fraction of ``max |c|``, on the first request; the rounding
 bound it must stay under is ``u * max|c|`` for the probabilities plus the effect of rounding
@@ -114,6 +119,43 @@ def shared_tbps(bench: Bench) -> float:
     return nbytes / (t["ms"] * 1e-3) / 1e12
 
 
+def merge_forms(d_args, sm_scale, workspace, out, bench):
+    """The two forms of the mma variant's merge, timed beside each other (``verify_attn``
+    picks one by the launch's row blocks, ``FUSED_MERGE_ROW_BLOCKS_PER_SM``): the kernel that
+    merges its own splits, and the kernel without that merge followed by the merge kernel
+    (``splits._merge_prefix_kernel``). Returns the microseconds of each and of the merge
+    kernel alone (its partials read from DRAM: L2 is flushed before each replay)."""
+    from ddtree_numba.kernels.verify_attn import splits
+
+    ql, qr, cache, table, prefix, bits, nodes = (K.as_device(a) for a in d_args)
+    cache = cache.view(np.uint16)
+    part_out, part_lse, arrivals = workspace
+    stages = kva._mma_stages(512, 64)
+    nbytes = mma.shared_layout(512, 64, stages).total
+    args = (ql, qr, cache, table, prefix, bits, nodes, np.float32(sm_scale), part_out,
+            part_lse, cache.reshape(cache.size), *out, arrivals)
+    bs, N, H = out[1].shape
+    grid = (splits.max_prefix_splits(N), -(-N * H // mma.BM), bs)
+    capacity = table.shape[1] * cache.shape[1]
+    kernels = {}
+    for fused in (True, False):
+        kernels[fused] = mma.kernel("bfloat16", 512, 64, stages, fused)
+        kva.allow_dynamic_shared(kernels[fused], args, nbytes)
+
+    def merge():
+        launch(splits._merge_prefix_kernel, (N * H, bs), 128)(
+            part_out, part_lse, prefix, nodes, capacity, *out)
+
+    def fused():
+        launch(kernels[True], grid, mma.MMA_THREADS, None, nbytes)(*args)
+
+    def two():
+        launch(kernels[False], grid, mma.MMA_THREADS, None, nbytes)(*args)
+        merge()
+
+    return tuple(bench.time_device(f, reps=5)["ms"] * 1e3 for f in (fused, two, merge))
+
+
 def main():
     bench = Bench("verify_attn_mma")
     ceiling = mma_ceiling_tflops(bench)
@@ -154,6 +196,8 @@ def main():
             t = bench.time_device(launch, reps=reps)
             row[f"{variant}_us"] = t["ms"] * 1e3
             row[f"{variant}_tflops"] = flops / (t["ms"] * 1e-3) / 1e12
+        row["fused_merge_us"], row["two_launch_us"], row["merge_kernel_us"] = merge_forms(
+            d_args, sm_scale, ws_mma, out, bench)
         row["pct_of_mma_ceiling"] = 100 * row["mma_tflops"] / ceiling
         row["pct_of_shared_roofline"] = 100 * row["mma_tflops"] / roofline
         if N * H * T * 2 <= 2 << 30:
@@ -189,7 +233,8 @@ def main():
               flush=True)
         cp.get_default_memory_pool().free_all_blocks()
         torch.cuda.empty_cache()
-    print_table(bench.rows, ["bs", "N", "prefix", "H", "mma_us", "mma_tflops",
+    print_table(bench.rows, ["bs", "N", "prefix", "H", "mma_us", "fused_merge_us", "two_launch_us",
+                             "merge_kernel_us", "mma_tflops",
                              "pct_of_mma_ceiling", "pct_of_shared_roofline", "tiled_us",
                              "torch_bf16_us", "speedup_vs_torch", "max_err_over_max_c"],
                 f"verify_attn (mma, bf16 cache) on {bench.gpu}, {bench.date}; mma.sync "

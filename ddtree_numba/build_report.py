@@ -199,7 +199,8 @@ def format_sass_notes(rows) -> list:
         sass = r.get("sass")
         if sass:
             lines.append(f"{r['cc']} {r['stage']} {r['variant']}: {sass['HMMA']} HMMA, "
-                         f"{sass['LDSM']} LDSM, {sass['CALL']} CALL, {sass['local']} local-"
+                         f"{sass['LDSM']} LDSM, {sass['CALL']} CALL ({sass['CALL_runtime']} into "
+                         f"the math runtime), {sass['local']} local-"
                          f"memory accesses in {sass['instructions']} instructions")
         elif "sass" in r:
             lines.append(f"{r['cc']} {r['stage']} {r['variant']}: no nvdisasm to read the SASS "
@@ -210,7 +211,8 @@ def format_sass_notes(rows) -> list:
 def sass_counts(cubin: bytes) -> dict:
     """Instruction counts of a cubin's SASS by ``nvdisasm`` (the ``nvidia-cuda-nvdisasm``
     wheel or a CUDA toolkit): tensor-core products (``HMMA``), shared-matrix loads
-    (``LDSM``), calls (``CALL``), local-memory accesses (``LDL``/``STL``) and all
+    (``LDSM``), calls (``CALL``; ``CALL_runtime`` of them into the CUDA math runtime's
+    helpers), local-memory accesses (``LDL``/``STL``) and all
     instructions. ``None`` when no nvdisasm is found."""
     import shutil
     import subprocess
@@ -232,9 +234,12 @@ def sass_counts(cubin: bytes) -> dict:
         sass = subprocess.run([tool, "-c", f.name], capture_output=True, text=True,
                               check=True).stdout
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
+    # calls into the CUDA math runtime (e.g. the float32 division's slow path, taken only for
+    # denormal or huge operands) as opposed to calls into functions that LTO left out of line
+    runtime = re.findall(r"\bCALL\S*\s+`\(\$__internal_\d+_\$__cuda_", sass)
     return {"instructions": len(ops), "HMMA": sum(o == "HMMA" for o in ops),
             "LDSM": sum(o == "LDSM" for o in ops), "CALL": sum(o.startswith("CALL") for o in ops),
-            "local": sum(o in ("LDL", "STL") for o in ops)}
+            "CALL_runtime": len(runtime), "local": sum(o in ("LDL", "STL") for o in ops)}
 
 
 def parse_ptxas_log(log: str, cubin_bytes: int = 0) -> Resources:

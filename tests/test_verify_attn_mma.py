@@ -11,9 +11,12 @@ max |v|``, plus float32 accumulation (``1e-4 * max |v|`` covers 10^4 slots with 
 log-sum-exp is computed from float32 scores: ``1e-4 (1 + |lse|)``.
 """
 
+import importlib
+
 import ml_dtypes
 import numpy as np
 import pytest
+from cases import paged_cache
 from test_verify_attn import attn_problem, poisoned_problem
 
 from ddtree_numba import kernels as K
@@ -127,6 +130,80 @@ def test_mma_rows_do_not_depend_on_the_launch():
     four = (args[0][:, :, :4].copy(), args[1][:, :, :4].copy(), *args[2:])
     out4, _ = run_mma(four, 0.1)
     np.testing.assert_array_equal(out4, out[:, :, :4])
+
+
+@pytest.fixture
+def fused_merge(monkeypatch):
+    """Launches whose kernel merges its own splits, whatever their size."""
+    kva = importlib.import_module("ddtree_numba.kernels.verify_attn")
+
+    monkeypatch.setattr(kva, "FUSED_MERGE_ROW_BLOCKS_PER_SM", 0)
+
+
+def test_mma_fused_merge_gives_the_merge_kernels_bits(fused_merge):
+    """The kernel merges its own splits (the last block of a row block to finish): its output
+    equals, bit for bit, the merge kernel of ``splits`` run on the partials it left in the
+    workspace, whichever block came last; ``arrivals`` is all zeros after every launch, so a
+    second launch on the same workspace (as a CUDA graph replays it) gives the same bits.
+    Ragged prefixes (several splits, one), a request whose second row block holds only
+    padding rows (written by its first split's block), and a row count that is not a
+    multiple of the 32-row block."""
+    from numba import cuda
+
+    from ddtree_numba.kernels.verify_attn import splits as sp
+
+    rng = np.random.default_rng(21)
+    args = list(attn_problem(rng, bs=4, budget=20, H=3, Dc=512, Dr=64, page_size=64,
+                             max_prefix=2500, dtype=bfloat16, L=6, Kk=4))
+    args[4] = np.array([2500, 0, 700, 1900], np.int32)          # prefix_lens
+    args[2], args[3] = paged_cache(rng, 4, args[4], 21, page_size=64, D=576, dtype=bfloat16)
+    args[6] = np.array([21, 5, 1, 13], np.int32)    # ragged: request 2 fills 3 of 63 rows
+    bs, N, H, Dc = args[0].shape
+    workspace = K.allocate_workspace(bs, N, H, Dc, 0, variant="mma")
+    results = []
+    for _ in range(2):
+        out, lse = K.verify_attn(*args, sm_scale=0.2, variant="mma", workspace=workspace)
+        results.append((out.copy_to_host(), lse.copy_to_host()))
+        assert (workspace[2].copy_to_host() == 0).all()
+    part_out, part_lse, _ = workspace
+    merged = (cuda.to_device(np.full((bs, N, H, Dc), np.nan, np.float32)),
+              cuda.to_device(np.full((bs, N, H), np.nan, np.float32)))
+    capacity = args[3].shape[1] * 64
+    sp._merge_prefix_kernel[(N * H, bs), 128](part_out, part_lse, cuda.to_device(args[4]),
+                                              cuda.to_device(args[6]), capacity, *merged)
+    want_out, want_lse = (m.copy_to_host() for m in merged)
+    for out, lse in results:
+        np.testing.assert_array_equal(out, want_out)
+        np.testing.assert_array_equal(lse, want_lse)
+    assert (want_out[2, 1:] == 0).all() and np.isneginf(want_lse[2, 1:]).all()
+    check_mma(args, 0.2, bfloat16)
+
+
+def test_mma_small_and_large_launches_merge_to_the_same_bits(monkeypatch):
+    """Where the launch has few row blocks a merge kernel follows the mma kernel; where it has
+    many the kernel merges itself: the same bits either way."""
+    kva = importlib.import_module("ddtree_numba.kernels.verify_attn")
+
+    rng = np.random.default_rng(12)
+    args = attn_problem(rng, bs=2, budget=40, H=8, Dc=512, Dr=64, page_size=64,
+                        max_prefix=3000, dtype=bfloat16, L=8, Kk=4)
+    results = []
+    for per_sm in (0, 10**9):           # always fused, never fused
+        monkeypatch.setattr(kva, "FUSED_MERGE_ROW_BLOCKS_PER_SM", per_sm)
+        results.append(run_mma(args, 0.1))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
+def test_mma_refuses_a_workspace_of_another_shape():
+    rng = np.random.default_rng(8)
+    args = attn_problem(rng, bs=2, budget=3, H=2, Dc=32, Dr=16, page_size=4, max_prefix=9,
+                        dtype=bfloat16)
+    tiled = K.allocate_workspace(2, 4, 2, 32, 64)               # the tiled variant's pair
+    other = K.allocate_workspace(2, 4, 3, 32, 0, variant="mma")     # another head count
+    for workspace in (tiled, other):
+        with pytest.raises(ValueError, match="workspace: expected float32"):
+            K.verify_attn(*args, sm_scale=0.3, variant="mma", workspace=workspace)
 
 
 def test_mma_is_the_default_for_16_bit_caches_and_refuses_what_it_cannot_run():

@@ -30,6 +30,8 @@ buffer              type and shape                   role
 ``lse``             ``float32[bs, N, H]``            output (``out=``), natural log
 ``part_out``        ``float32[splits, bs, N H, Dc]`` tiled, mma (``workspace=``): ``out / l``
 ``part_lse``        ``float32[splits, bs, N H]``     tiled, mma (``workspace=``): ``m + log l``
+``arrivals``        ``uint32[bs, ceil(N H / 32)]``   mma (``workspace=``): finished splits, 0
+                                                     between launches
 =================== ================================ ===========================================
 
 FLOPs counted by the benchmark: ``2 * bs * N * H * T * (Dc + Dr + Dc)`` for ``T = P + N`` slots
@@ -52,10 +54,11 @@ Three variants, one module each; read them in this order:
   bfloat16 / float16 caches with ``Dc``, ``Dr`` multiples of 16; the default where it runs):
   the products on the tensor cores (``mma.sync`` through ``kernels/tensor_core.cu``), 32 query
   rows and 8 warps per block, 32-slot cache tiles staged by ``cp.async`` into dynamic shared
-  memory (91.75 KB, two stages). Query rows and
-  probabilities are rounded to the cache's 16-bit type (the tolerance is stated in
-  ``tests/test_verify_attn_mma.py``); splits are fixed by each request's own prefix length,
-  so a row's bits do not depend on the rest of the launch.
+  memory (91.75 KB, two stages). Query rows and probabilities are rounded to the cache's
+  16-bit type (the tolerance is stated in ``tests/test_verify_attn_mma.py``); splits are
+  fixed by each request's own prefix length, so a row's bits do not depend on the rest of
+  the launch. In launches of many row blocks the kernel merges its own splits (the last
+  block of a row block to finish); in small ones a merge kernel follows; the same bits.
 * ``ddtree_numba.kernels.verify_attn.splits``: how many slot splits the tiled and mma
   variants launch and the kernels that merge their partials by log-sum-exp.
 
@@ -83,6 +86,7 @@ from .._device import (
     launch,
     launch_stream,
     resolve_variant,
+    sm_count,
 )
 from . import mma, readable, tiled
 from .readable import READABLE_THREADS
@@ -120,6 +124,14 @@ def _mma_unsupported(kind: str, Dc: int, Dr: int, N: int = 1):
 
 
 MMA_STAGES = 2      # cp.async pipeline depth of the mma variant, where shared memory allows
+# The mma kernel merges its own splits (the last block of a row block to finish merges it)
+# when the launch has at least this many row blocks per SM; fewer, and the merges, one block
+# each, would run on few SMs after the products while the rest idle, so a merge kernel of one
+# block per row follows instead. Both give the same bits. Measured on the H200 (132 SMs,
+# benchmarks/bench_verify_attn_mma.py): fused 2-5 % faster from 128 row blocks up (bs 8, N 64,
+# H 8; bs 1, N 64, H 128 and up), slower at 64 and below (bs 1, N 16, H 128: 109 against
+# 102 us; H 8: 66 against 48 us).
+FUSED_MERGE_ROW_BLOCKS_PER_SM = 0.5
 
 
 @functools.cache
@@ -157,17 +169,25 @@ def allocate_workspace(bs: int, N: int, H: int, Dc: int, max_slots: int, splits=
                        variant: str = "tiled"):
     """Device buffers for the split partials of the ``"tiled"`` or ``"mma"`` variant: pass them
     as ``workspace=`` when the call is captured in a CUDA graph (buffers allocated inside a
-    captured call would be freed while the graph still uses them). The mma variant's split
-    count depends on ``N`` alone (``splits.max_prefix_splits``); ``max_slots`` and ``splits``
-    are the tiled variant's."""
+    captured call would be freed while the graph still uses them). One workspace serves one
+    launch at a time (launches on one stream may share it).
+
+    ``"tiled"``: ``(part_out, part_lse)``; ``max_slots`` and ``splits`` give its split count.
+    ``"mma"``: ``(part_out, part_lse, arrivals)``, its split count from ``N`` alone
+    (``splits.max_prefix_splits``); ``arrivals`` ``uint32[bs, ceil(N H / 32)]`` counts the
+    splits of each row block that have finished (the last one merges them). It starts at
+    zero and every launch leaves it at zero."""
     if variant == "mma":
         n_splits = max_prefix_splits(N)
-    elif variant == "tiled":
+        row_blocks = -(-N * H // mma.BM)
+        arrivals = cuda.to_device(np.zeros((bs, row_blocks), np.uint32))
+        return (device_empty((n_splits, bs, N * H, Dc), np.float32),
+                device_empty((n_splits, bs, N * H), np.float32), arrivals)
+    if variant == "tiled":
         n_splits, _ = plan_splits(bs, N, H, max_slots, splits)
-    else:
-        raise ValueError(f"variant: expected 'tiled' or 'mma', got {variant!r}")
-    return (device_empty((n_splits, bs, N * H, Dc), np.float32),
-            device_empty((n_splits, bs, N * H), np.float32))
+        return (device_empty((n_splits, bs, N * H, Dc), np.float32),
+                device_empty((n_splits, bs, N * H), np.float32))
+    raise ValueError(f"variant: expected 'tiled' or 'mma', got {variant!r}")
 
 
 def verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visibility_bits,
@@ -259,29 +279,37 @@ def verify_attn(q_latent, q_rope, kv_cache, block_table, prefix_lens, visibility
 
 
 def _launch_mma(sz, kind, args, cache, workspace, out_latent, lse, stream):
-    """The mma variant and its merge (``splits.max_prefix_splits(N)`` splits per request)."""
+    """The mma variant (``splits.max_prefix_splits(N)`` splits per request), which merges its
+    own splits where the launch has enough row blocks (``FUSED_MERGE_ROW_BLOCKS_PER_SM``), and
+    is followed by the merge kernel where it has not."""
     if workspace is None:
         workspace = allocate_workspace(sz.bs, sz.N, sz.H, sz.Dc, 0, variant="mma")
-    part_out, part_lse = workspace
     n_splits = max_prefix_splits(sz.N)
-    want = (n_splits, sz.bs, sz.N * sz.H, sz.Dc)
-    if tuple(part_out.shape) != want or tuple(part_lse.shape) != want[:3]:
-        raise ValueError(f"workspace: expected float32{list(want)} and float32{list(want[:3])} "
-                         f"(allocate_workspace(..., variant='mma')), got "
-                         f"{list(part_out.shape)} and {list(part_lse.shape)}")
+    row_tiles = -(-sz.N * sz.H // mma.BM)
+    want = ((n_splits, sz.bs, sz.N * sz.H, sz.Dc), (n_splits, sz.bs, sz.N * sz.H),
+            (sz.bs, row_tiles))
+    parts = tuple(workspace) if isinstance(workspace, (tuple, list)) else (workspace,)
+    got = [tuple(getattr(w, "shape", ())) for w in parts]
+    if got != list(want) or str(parts[2].dtype) != "uint32":
+        raise ValueError(f"workspace: expected float32{list(want[0])}, float32{list(want[1])} "
+                         f"and uint32{list(want[2])} (allocate_workspace(..., variant='mma')), "
+                         f"got arrays of shapes {got}")
+    part_out, part_lse, arrivals = parts
     if cache.__cuda_array_interface__["data"][0] % 16:
         raise ValueError("kv_cache: the mma variant copies 16-byte chunks: expected a cache "
                          "whose data starts at a multiple of 16 bytes")
-    row_tiles = -(-sz.N * sz.H // mma.BM)
     stages = _mma_stages(sz.Dc, sz.Dr)
-    kernel = mma.kernel(kind, sz.Dc, sz.Dr, stages)
-    kernel_args = (*args, part_out, part_lse, cache.reshape(cache.size))
+    fused = sz.bs * row_tiles >= FUSED_MERGE_ROW_BLOCKS_PER_SM * sm_count()
+    kernel = mma.kernel(kind, sz.Dc, sz.Dr, stages, fused)
+    kernel_args = (*args, part_out, part_lse, cache.reshape(cache.size), out_latent, lse,
+                   arrivals)
     nbytes = mma.shared_layout(sz.Dc, sz.Dr, stages).total
     allow_dynamic_shared(kernel, kernel_args, nbytes)
     launch(kernel, (n_splits, row_tiles, sz.bs), mma.MMA_THREADS, stream, nbytes)(*kernel_args)
-    _, _, _, _, prefix, _, nodes, _ = args
-    launch(_merge_prefix_kernel, (sz.N * sz.H, sz.bs), 128, stream)(
-        part_out, part_lse, prefix, nodes, sz.max_pages * sz.page_size, out_latent, lse)
+    if not fused:
+        _, _, _, _, prefix, _, nodes, _ = args
+        launch(_merge_prefix_kernel, (sz.N * sz.H, sz.bs), 128, stream)(
+            part_out, part_lse, prefix, nodes, sz.max_pages * sz.page_size, out_latent, lse)
     return out_latent, lse
 
 
@@ -314,11 +342,13 @@ def build_specs():
                             pairs, TILED_THREADS, True))
     sources = ((tensor_core.SOURCE_NAME, tensor_core.source()),)
     u16 = types.uint16
-    for kind in ("bfloat16", "float16"):     # DeepSeek-V3 / Kimi-K2 rows: Dc 512, Dr 64
-        specs.append(KernelSpec("verify_attn", f"mma {kind}",
-                                mma.kernel(kind, 512, 64, MMA_STAGES),
+    for kind, fused in (("bfloat16", True), ("float16", True), ("bfloat16", False)):
+        # DeepSeek-V3 / Kimi-K2 rows: Dc 512, Dr 64
+        specs.append(KernelSpec("verify_attn", f"mma {kind}" + ("" if fused else ", merge apart"),
+                                mma.kernel(kind, 512, 64, MMA_STAGES, fused),
                                 (f4, f4, u16[:, :, ::1], i2, i1, bits, i1, types.float32, f4,
-                                 types.float32[:, :, ::1], u16[::1]),
+                                 types.float32[:, :, ::1], u16[::1], f4,
+                                 types.float32[:, :, ::1], types.uint32[:, ::1]),
                                 mma.MMA_THREADS, True, sources,
                                 mma.shared_layout(512, 64, MMA_STAGES).total))
     specs.append(KernelSpec("verify_attn", "merge by prefix", _merge_prefix_kernel,

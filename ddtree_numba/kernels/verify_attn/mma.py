@@ -66,15 +66,26 @@ Which thread touches which byte:
   block), columns ``16 c + 2t, + 1, + 8, + 9`` of its groups ``c``, divided by ``l``, into
   a float32 ``[32, Dc + 4]`` staging area where the tiles were; then warp ``w`` writes rows
   ``4 w .. 4 w + 3`` of ``part_out``, lane ``l`` the columns ``l, l + 32, ...`` (128-byte
-  stores). The first lane of each row's 8 writes the row's ``part_lse``. ``splits.merge``
-  combines the splits.
+  stores). The first lane of each row's 8 writes the row's ``part_lse``;
+* the merge, fused (in launches of at least ``FUSED_MERGE_ROW_BLOCKS_PER_SM`` row blocks an
+  SM; smaller ones stop after their partials and a merge kernel follows): the row block's
+  splits count their arrivals in ``arrivals[b, row block]``; the last to arrive reads every
+  split's ``part_lse`` and ``part_out`` of its 32 rows and writes ``out`` and ``lse`` (thread
+  ``r < 32`` the split weights of row ``r``, then warp ``w`` rows ``4 w .. 4 w + 3``, lane
+  ``l`` the columns ``l, l + 32, ...``), in split order with the expressions of
+  ``splits._merge_prefix_kernel``: the same bits as that kernel, whichever split arrives last.
+  A row block that no split computes (only padding rows, or a request with no slot) is written
+  as 0 and ``-inf`` by its split-0 block.
 
 Barriers per tile: one after the tile has landed (every thread waited for its own copies; the
 barrier makes all of them visible, and certifies that no warp still reads the buffer the next
 copies will overwrite, nor the probabilities of the tile before), one after the partial
 scores are written, one after the probabilities and rescale factors are written. Outside
 the loop: one after the query rows are stored (before any warp reads its fragments), and two
-at the end (every ``1 / l`` written and no warp reading tiles any more; the output staged).
+at the end (every ``1 / l`` written and no warp reading tiles any more; the output staged),
+then the merge's: one after every thread's fence (all partials of the block are visible to
+the GPU before its arrival is counted), one after the flag that says whether this block came
+last, and one after the split weights are written.
 
 Rows a query cannot see: their scores become ``-inf`` by a select, and in tiles that hold tree
 slots the V fragments are made finite (NaN and +-inf bit patterns become 0) before ``P V``,
@@ -82,11 +93,13 @@ since ``0 * NaN`` is NaN on the tensor cores too. Cache rows past ``P + num_node
 read. Unchecked inputs (``check=False``) are clamped: ``num_nodes`` to ``[0, N]``,
 ``prefix_lens`` to ``[0, capacity]``, slots to the block table's capacity, pages to the cache.
 
-Resources (``python -m ddtree_numba build-report``): one block of 8 warps per SM (219
-registers on sm_90, 226 on sm_120, no spills; launch bounds allow 255), 91.75 KB of dynamic
-shared memory with 2 stages. The SASS of the tile loop holds the 68 HMMA and 30 LDSM (9 more
-LDSM before it take the query fragments), no CALL (the one CALL of the kernel is the float32
-division slow path of ``1 / l`` after the loop) and no local memory: the functions
+Resources (``python -m ddtree_numba build-report``): one block of 8 warps per SM (255
+registers on sm_90, 214 on sm_120, no spills; launch bounds allow 255; sm_90's most are live
+in the fused merge, 64 values and their loads in flight; without the merge 219 and 226),
+91.75 KB of dynamic shared memory with 2 stages. The SASS of the tile loop holds the 68 HMMA
+and 30 LDSM (9 more LDSM before it take the query fragments), no CALL (the kernel's CALLs
+are the float32 division's slow path, of ``1 / l`` and of the merge, after the loop) and no
+local memory: the functions
 ``pv_step`` and ``stage_rows`` are called once per k-step and row tile rather than looped, so
 every index of the accumulators stays a constant (a loop that sm_120's compiler left rolled
 put them in local memory).
@@ -110,7 +123,15 @@ from .. import tensor_core as tc
 from .._device import SIMULATOR
 from .._primitives import FULL_MASK
 from .readable import NEG_INF
-from .splits import prefix_split_slots
+from .splits import (
+    MAX_PREFIX_SPLITS,
+    merged_lse,
+    merged_value,
+    prefix_split_slots,
+    prefix_splits,
+    split_max,
+    split_weight,
+)
 
 MMA_THREADS = 256   # 8 warps
 WARPS = MMA_THREADS // 32
@@ -196,7 +217,7 @@ def supported(kind: str, Dc: int, Dr: int) -> bool:
     return kind in ("bfloat16", "float16") and Dc % 16 == 0 and Dr % 16 == 0 and Dc > 0
 
 
-def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
+def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int, fused_merge: bool = True):
     D = Dc + Dr
     KSTEPS = D // 16                    # k-steps of 16 dims in a score
     KQ = -(-KSTEPS // KSPLIT)           # k-steps per warp (round-robin; some warps one fewer)
@@ -232,6 +253,16 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
     Q_BUF = (STAGES - 1) * TILE_BYTES   # the buffer that is free until the loop starts
     OUT_STRIDE = Dc + 4                 # float32 row stride of the output staged at the end
     assert BM * OUT_STRIDE * 4 <= STAGES * TILE_BYTES   # it fits where the tiles were
+    # the fused merge, where the partial scores were (float32 indices): the split weights
+    # of the block's rows [BM, MAX_PREFIX_SPLITS], each row's largest lse and weight sum,
+    # and the flag that says this block arrived last
+    MERGE_W = LAYOUT.partial // 4
+    MERGE_M = MERGE_W + BM * MAX_PREFIX_SPLITS
+    MERGE_T = MERGE_M + BM
+    LAST = MERGE_T + BM
+    COLS_PER_LANE = -(-Dc // 32)        # output columns a lane merges per row
+    MERGE_VALUES = Q_ROWS * COLS_PER_LANE   # values a lane merges (local sizes: constants)
+    assert 4 * (LAST + 1) <= LAYOUT.probs
     mma = tc.mma_bf16_16816 if kind == "bfloat16" else tc.mma_f16_16816
     pack = tc.pack_bf16x2 if kind == "bfloat16" else tc.pack_f16x2
     EXPONENT = uint32(0x7F80 if kind == "bfloat16" else 0x7C00)   # all ones: NaN or +-inf
@@ -358,9 +389,73 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
                 smem_f32[at + 8] = o[k + 6] * inv8
                 smem_f32[at + 9] = o[k + 7] * inv8
 
+    @cuda.jit(device=True, inline=True)
+    def write_empty_rows(out, lse, b, row0, rows, H, warp, lane):
+        """Rows of a row block that no split computes (padding rows, or a request with no
+        slot): 0 and ``-inf``, what the merge of no split gives. Warp ``w`` writes rows
+        ``Q_ROWS w ..``, lane ``l`` the columns ``l, l + 32, ...``."""
+        for rr in range(Q_ROWS):
+            row = row0 + Q_ROWS * warp + rr
+            if row < rows:
+                i = uint32(row) // uint32(H)
+                h = uint32(row) % uint32(H)
+                for d in range(lane, Dc, 32):
+                    out[b, i, h, d] = float32(0.0)
+                if lane == 0:
+                    lse[b, i, h] = NEG_INF
+
+    @cuda.jit(device=True, inline=True)
+    def merge_rows(smem_f32, part_out, part_lse, out, lse, splits, b, row0, rows, n, H, tid,
+                   warp, lane):
+        """The splits of the block's rows combined by log-sum-exp, in split order: the
+        expressions and the order of ``splits._merge_prefix_kernel`` (the same bits).
+        Thread ``r < BM`` computes row ``r``'s split weights, their largest lse and their sum
+        into shared memory. After the barrier warp ``w`` merges rows ``Q_ROWS w ..``, lane
+        ``l`` the columns ``l, l + 32, ...`` of each: split by split, all ``Q_ROWS x
+        COLS_PER_LANE`` values of a split are loaded before they are added (64 loads in
+        flight a thread; one at a time, the kernel took 164 us where it now takes 110 at
+        bs 1, N 16, P 1024, H 128), rows past the launch's clamped to its last (loaded,
+        never written)."""
+        if tid < BM and row0 + tid < rows:
+            row = row0 + tid
+            M = split_max(part_lse, splits, b, row)
+            total = float32(0.0)
+            for s in range(splits):             # in split order, as the merge kernel sums
+                w = split_weight(part_lse[s, b, row], M)
+                smem_f32[MERGE_W + MAX_PREFIX_SPLITS * tid + s] = w
+                total += w
+            smem_f32[MERGE_M + tid] = M
+            smem_f32[MERGE_T + tid] = total
+        cuda.syncthreads()                      # every row's weights are written
+        r0 = Q_ROWS * warp
+        value = cuda.local.array(MERGE_VALUES, float32)
+        for k in range(MERGE_VALUES):
+            value[k] = 0.0
+        for s in range(splits):
+            for rr in range(Q_ROWS):
+                w = smem_f32[MERGE_W + MAX_PREFIX_SPLITS * (r0 + rr) + s]
+                row = min(row0 + r0 + rr, rows - 1)
+                for u in range(COLS_PER_LANE):
+                    d = min(lane + 32 * u, Dc - 1)
+                    value[COLS_PER_LANE * rr + u] += w * part_out[s, b, row, d]
+        for rr in range(Q_ROWS):
+            row = row0 + r0 + rr
+            if row < rows:
+                i = uint32(row) // uint32(H)
+                h = uint32(row) % uint32(H)
+                total = smem_f32[MERGE_T + r0 + rr]
+                for u in range(COLS_PER_LANE):
+                    d = lane + 32 * u
+                    if Dc % 32 == 0 or d < Dc:
+                        out[b, i, h, d] = (merged_value(value[COLS_PER_LANE * rr + u], total)
+                                           if i < n else float32(0.0))     # (padding row)
+                if lane == 0:
+                    lse[b, i, h] = (merged_lse(smem_f32[MERGE_M + r0 + rr], total) if i < n
+                                    else NEG_INF)
+
     @cuda.jit(launch_bounds=(MMA_THREADS, BLOCKS_PER_SM))
     def mma_kernel(q_latent, q_rope, cache, block_table, prefix_lens, bits, num_nodes, sm_scale,
-                   part_out, part_lse, cache_flat):
+                   part_out, part_lse, cache_flat, out, lse, arrivals):
         # One dynamic shared block (LAYOUT), seen through aliased views of several types.
         smem = cuda.shared.array(0, uint16, alignment=16)
         smem_f32x4 = cuda.shared.array(0, F32X4)
@@ -390,7 +485,9 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
         lo = split * per_split                  # this block's slots: [lo, hi)
         hi = min(lo + per_split, end)
         if lo >= hi or row0 >= n * H:           # no slot here, or only padding rows:
-            return                              # the merge reads neither
+            if split == 0:                      # if no split computes this row block, its
+                write_empty_rows(out, lse, b, row0, rows, H, warp, lane)   # first writes it
+            return
 
         # Softmax: this thread owns row r_own of the block (of its warp's row tile) and the
         # slots 8 nt + 2t, + 1 of each tile for nt = nt_own and nt_own + 2; the 8 lanes of a
@@ -647,9 +744,30 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int):
                     part_out[split, b, row0 + r, lane + 32 * (Dc // 32)] = smem_f32[
                         r * OUT_STRIDE + lane + 32 * (Dc // 32)]
 
+        if not fused_merge:                     # (small launches: the merge kernel
+            return                              # follows this one, see verify_attn)
+        # The merge, fused: the last of the row block's `splits` blocks to get here merges
+        # them. Each thread's fence orders its partial stores before the barrier; the
+        # barrier, before thread 0's count of arrivals (atomic.inc wraps to 0 after the
+        # last, so the counters are all 0 again for the next launch, with no reset).
+        cuda.threadfence()                      # this thread's partials are visible GPU-wide
+        cuda.syncthreads()                      # ... and so every thread's of this block
+        splits = prefix_splits(P, end, part_lse.shape[0])   # of this request: 0 .. splits - 1
+        if tid == 0:
+            arrived = cuda.atomic.inc(arrivals, (b, cuda.blockIdx.y), uint32(splits - 1))
+            smem_u32[LAST] = uint32(1) if arrived == uint32(splits - 1) else uint32(0)
+        cuda.syncthreads()                      # the flag is written
+        if smem_u32[LAST] == 0:                 # (block-uniform) another split merges
+            return
+        cuda.threadfence()                      # the other splits' partials, seen after
+        merge_rows(smem_f32, part_out, part_lse, out, lse, splits, b, row0, rows, n, H, tid,
+                   warp, lane)
+
     return mma_kernel
 
 
-#: ``kernel(kind, Dc, Dr, stages)``: the mma kernel for one storage kind, row width and
-#: pipeline depth, made once.
+#: ``kernel(kind, Dc, Dr, stages, fused_merge=True)``: the mma kernel for one storage kind, row
+#: width and pipeline depth, made once. With ``fused_merge=False`` it stops after writing its
+#: partials, for ``splits._merge_prefix_kernel`` to merge (``verify_attn`` launches that form
+#: where the launch has few row blocks: ``FUSED_MERGE_ROW_BLOCKS_PER_SM``).
 kernel = functools.cache(_make_mma_kernel)

@@ -19,6 +19,11 @@ all its scores); :func:`~ddtree_numba.kernels.verify_attn.splits.plan_splits` tu
 host without a synchronisation, so splits past a request's ``P + num_nodes`` return at once
 with an empty partial.
 
+The mma variant's splits are fixed by each request's own prefix length instead
+(``prefix_split_slots``: determinism), and merged by the helpers ``prefix_splits``,
+``split_max``, ``split_weight``, ``merged_value`` and ``merged_lse``: inside the mma kernel
+in large launches, by ``_merge_prefix_kernel`` after it in small ones; the same bits.
+
 Merge kernel: grid ``(N * H, bs)``, 128 threads; block ``(row, b)`` reads ``part_lse[:, b,
 row]`` and, for each of its columns ``d`` (strided by 128), ``part_out[s, b, row, d]`` of every
 split, and writes ``out[b, i, h, d]`` and ``lse[b, i, h]``.
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 import math
 
-from numba import cuda, float32
+from numba import cuda, float32, int32, uint32
 
 from ...limits import MAX_DC
 from .._device import sm_count
@@ -133,16 +138,59 @@ def _merge_partials(part_out, part_lse, splits, b, row, d):
 MAX_PREFIX_SPLITS = PREFIX_SPLITS + -(-1056 // SPLIT_GRANULE)   # for N up to MAX_NODES
 
 
+# The merge of the mma variant's splits, one expression each. Two kernels use them: the mma
+# kernel itself (its last block of a row block to finish merges that block's rows) and
+# ``_merge_prefix_kernel`` (the same merge as a kernel of its own, one row per block: the
+# readable form, and the test that the fused merge gives its bits). The same expressions in
+# the same order give the same bits.
+
+@cuda.jit(device=True, inline=True)
+def prefix_splits(P, end, limit):
+    """Splits that a request computes: ``ceil(end / prefix_split_slots(P))`` for its clamped
+    prefix ``P`` and slot end ``end = min(P + n, capacity)`` (0 when it has no slot), at most
+    ``limit`` (the workspace's)."""
+    per = uint32(prefix_split_slots(P))        # (32-bit: no 64-bit division on the GPU)
+    return min(int32(uint32(uint32(end) + per - uint32(1)) // per), limit)
+
+
+@cuda.jit(device=True, inline=True)
+def split_max(part_lse, splits, b, row):
+    """``M``, the largest ``part_lse[s, b, row]`` over the request's splits (``-inf`` when
+    none saw a visible slot)."""
+    M = NEG_INF
+    for s in range(splits):
+        M = max(M, part_lse[s, b, row])
+    return M
+
+
+@cuda.jit(device=True, inline=True)
+def split_weight(lse_s, M):
+    """A split's unnormalised weight ``exp(lse_s - M)`` (0 where nothing was visible)."""
+    return math.exp(lse_s - M) if M > NEG_INF else float32(0.0)
+
+
+@cuda.jit(device=True, inline=True)
+def merged_value(value, total):
+    """One output value: ``sum_s w_s out_s`` over ``sum_s w_s`` (0 if nothing was visible)."""
+    return value / total if total > 0 else float32(0.0)
+
+
+@cuda.jit(device=True, inline=True)
+def merged_lse(M, total):
+    """The row's log-sum-exp, ``M + log sum_s w_s`` (``-inf`` if nothing was visible)."""
+    return M + math.log(total) if total > 0 else NEG_INF
+
+
 @cuda.jit
 def _merge_prefix_kernel(part_out, part_lse, prefix_lens, num_nodes, capacity, out, lse):
-    """The merge of the mma variant's splits: request ``b`` has ``ceil(end /
-    prefix_split_slots(P))`` splits (``end = min(P + n, capacity)``, ``P`` and ``n`` clamped
-    as the kernel clamps them); blocks of later splits wrote nothing.
+    """The merge of the mma variant's splits as a kernel of its own (the mma kernel runs the
+    same merge in its last block of each row block): request ``b`` has ``prefix_splits(P,
+    end)`` splits (``end = min(P + n, capacity)``, ``P`` and ``n`` clamped as the kernel
+    clamps them); blocks of later splits wrote nothing.
 
-    The split weights ``exp(lse_s - M)`` (``M`` the largest ``lse_s``; normalised by their
-    sum afterwards) of the row are computed once, by the first
-    ``splits`` threads, into shared memory (one barrier); then each thread sums its columns
-    over the splits in split order."""
+    The split weights of the row are computed once, by the first ``splits`` threads, into
+    shared memory (one barrier); then each thread sums its columns over the splits in split
+    order."""
     weight = cuda.shared.array(MAX_PREFIX_SPLITS, float32)
     row = cuda.blockIdx.x
     b = cuda.blockIdx.y
@@ -161,15 +209,12 @@ def _merge_prefix_kernel(part_out, part_lse, prefix_lens, num_nodes, capacity, o
         return
     P = min(max(prefix_lens[b], 0), capacity)
     end = min(P + n, capacity)
-    per = prefix_split_slots(P)
     # the launcher sends only N <= MAX_NODES here (MAX_PREFIX_SPLITS covers it); the bound
     # keeps any other call inside the workspace and the weight array
-    splits = min((end + per - 1) // per, MAX_PREFIX_SPLITS, part_lse.shape[0])
-    M = NEG_INF                                 # every thread: the largest split lse
-    for s in range(splits):
-        M = max(M, part_lse[s, b, row])
+    splits = prefix_splits(P, end, min(MAX_PREFIX_SPLITS, part_lse.shape[0]))
+    M = split_max(part_lse, splits, b, row)     # every thread: the largest split lse
     if tid < splits:
-        weight[tid] = math.exp(part_lse[tid, b, row] - M) if M > NEG_INF else float32(0.0)
+        weight[tid] = split_weight(part_lse[tid, b, row], M)
     cuda.syncthreads()                          # the weights are written
     total = float32(0.0)
     for s in range(splits):                     # the same order in every thread
@@ -178,9 +223,9 @@ def _merge_prefix_kernel(part_out, part_lse, prefix_lens, num_nodes, capacity, o
         value = float32(0.0)
         for s in range(splits):
             value += weight[s] * part_out[s, b, row, d]
-        out[b, i, h, d] = value / total if total > 0 else float32(0.0)
+        out[b, i, h, d] = merged_value(value, total)
     if tid == 0:
-        lse[b, i, h] = M + math.log(total) if total > 0 else NEG_INF
+        lse[b, i, h] = merged_lse(M, total)
 
 
 @cuda.jit
