@@ -95,7 +95,7 @@ read. Unchecked inputs (``check=False``) are clamped: ``num_nodes`` to ``[0, N]`
 
 Resources (``python -m ddtree_numba build-report``): one block of 8 warps per SM (255
 registers on sm_90, 214 on sm_120, no spills; launch bounds allow 255; sm_90's most are live
-in the fused merge, 64 values and their loads in flight; without the merge 219 and 226),
+in the fused merge, 64 values and their loads in flight; without the merge 246 and 226),
 91.75 KB of dynamic shared memory with 2 stages. The SASS of the tile loop holds the 68 HMMA
 and 30 LDSM (9 more LDSM before it take the query fragments), no CALL (the kernel's CALLs
 are the float32 division's slow path, of ``1 / l`` and of the merge, after the loop) and no
@@ -140,7 +140,7 @@ ROW_TILES = WARPS // KSPLIT     # 16-row tiles per block (the M of one mma each)
 BM = 16 * ROW_TILES             # query rows per block: 32
 BN = 32             # slots per staged tile: the N of four score mma, the K of two P V mma
 NT = BN // 8        # 8-slot n-tiles of the scores per tile
-BLOCKS_PER_SM = 1   # launch bounds: up to 255 registers (219 on sm_90; 128 would spill)
+BLOCKS_PER_SM = 1   # launch bounds: up to 255 registers (214-255 taken; 128 would spill)
 RESCALE_BELOW = 8.0     # the reference max of a row moves only when a score passes it by
                         # more than this (base 2): probabilities up to 2^8, rare rescales
 P_STRIDE = BN + 8   # probability tile row stride in 16-bit values (80 bytes: see below)
