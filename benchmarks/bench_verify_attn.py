@@ -131,7 +131,8 @@ def main(full: bool = False):
         workspace = kva.allocate_workspace(bs, N, H, 512, table.shape[1] * 64)
 
         def launch():
-            K.verify_attn(*d_args, sm_scale=sm_scale, out=out, workspace=workspace)
+            K.verify_attn(*d_args, sm_scale=sm_scale, out=out, workspace=workspace,
+                          variant="tiled")
 
         gpu = bench.time_device(launch, reps=reps)
         row = dict(bs=bs, N=N, prefix=P, H=H, dtype=dtype, gpu_us=gpu["ms"] * 1e3,

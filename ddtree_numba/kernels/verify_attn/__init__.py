@@ -128,9 +128,9 @@ MMA_STAGES = 2      # cp.async pipeline depth of the mma variant, where shared m
 # when the launch has at least this many row blocks per SM; fewer, and the merges, one block
 # each, would run on few SMs after the products while the rest idle, so a merge kernel of one
 # block per row follows instead. Both give the same bits. Measured on the H200 (132 SMs,
-# benchmarks/bench_verify_attn_mma.py): fused 2-5 % faster from 128 row blocks up (bs 8, N 64,
-# H 8; bs 1, N 64, H 128 and up), slower at 64 and below (bs 1, N 16, H 128: 109 against
-# 102 us; H 8: 66 against 48 us).
+# benchmarks/bench_verify_attn_mma.py): fused 2-6 % faster from 128 row blocks up (bs 8, N 64,
+# H 8; bs 1, N 64, H 128 and up), slower at 64 and below (bs 1, N 16, P 1024, H 128: 109.8
+# against 102.8 us; H 8, P 4096: 67.0 against 48.3 us).
 FUSED_MERGE_ROW_BLOCKS_PER_SM = 0.5
 
 

@@ -94,8 +94,8 @@ read. Unchecked inputs (``check=False``) are clamped: ``num_nodes`` to ``[0, N]`
 ``prefix_lens`` to ``[0, capacity]``, slots to the block table's capacity, pages to the cache.
 
 Resources (``python -m ddtree_numba build-report``): one block of 8 warps per SM (255
-registers on sm_90, 214 on sm_120, no spills; launch bounds allow 255; sm_90's most are live
-in the fused merge, 64 values and their loads in flight; without the merge 246 and 226),
+registers on sm_90, 215 on sm_120, no spills; launch bounds allow 255; sm_90's most are live
+in the fused merge, 64 values and their loads in flight; without the merge 219 and 229),
 91.75 KB of dynamic shared memory with 2 stages. The SASS of the tile loop holds the 68 HMMA
 and 30 LDSM (9 more LDSM before it take the query fragments), no CALL (the kernel's CALLs
 are the float32 division's slow path, of ``1 / l`` and of the merge, after the loop) and no
@@ -140,7 +140,7 @@ ROW_TILES = WARPS // KSPLIT     # 16-row tiles per block (the M of one mma each)
 BM = 16 * ROW_TILES             # query rows per block: 32
 BN = 32             # slots per staged tile: the N of four score mma, the K of two P V mma
 NT = BN // 8        # 8-slot n-tiles of the scores per tile
-BLOCKS_PER_SM = 1   # launch bounds: up to 255 registers (214-255 taken; 128 would spill)
+BLOCKS_PER_SM = 1   # launch bounds: up to 255 registers (215-255 taken; 128 would spill)
 RESCALE_BELOW = 8.0     # the reference max of a row moves only when a score passes it by
                         # more than this (base 2): probabilities up to 2^8, rare rescales
 P_STRIDE = BN + 8   # probability tile row stride in 16-bit values (80 bytes: see below)
@@ -484,10 +484,10 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int, fused_merge: bool
         per_split = prefix_split_slots(P)
         lo = split * per_split                  # this block's slots: [lo, hi)
         hi = min(lo + per_split, end)
-        if lo >= hi or row0 >= n * H:           # no slot here, or only padding rows:
-            if split == 0:                      # if no split computes this row block, its
-                write_empty_rows(out, lse, b, row0, rows, H, warp, lane)   # first writes it
-            return
+        if lo >= hi or row0 >= n * H or split >= MAX_PREFIX_SPLITS:    # no slot here, or
+            if fused_merge and split == 0:      # only padding rows: if no split computes this
+                write_empty_rows(out, lse, b, row0, rows, H, warp, lane)   # row block, its
+            return                              # first writes it (or the merge kernel does)
 
         # Softmax: this thread owns row r_own of the block (of its warp's row tile) and the
         # slots 8 nt + 2t, + 1 of each tile for nt = nt_own and nt_own + 2; the 8 lanes of a
@@ -752,14 +752,17 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int, fused_merge: bool
         # last, so the counters are all 0 again for the next launch, with no reset).
         cuda.threadfence()                      # this thread's partials are visible GPU-wide
         cuda.syncthreads()                      # ... and so every thread's of this block
-        splits = prefix_splits(P, end, part_lse.shape[0])   # of this request: 0 .. splits - 1
+        # the request's splits 0 .. splits - 1 (the bound keeps a direct launch with a larger
+        # workspace inside the weights' rows; blocks past it returned above, uncounted)
+        splits = prefix_splits(P, end, min(MAX_PREFIX_SPLITS, part_lse.shape[0]))
         if tid == 0:
             arrived = cuda.atomic.inc(arrivals, (b, cuda.blockIdx.y), uint32(splits - 1))
+            cuda.threadfence()                  # what the other splits wrote before they
             smem_u32[LAST] = uint32(1) if arrived == uint32(splits - 1) else uint32(0)
-        cuda.syncthreads()                      # the flag is written
+        cuda.syncthreads()                      # counted is seen after this; the flag is set
         if smem_u32[LAST] == 0:                 # (block-uniform) another split merges
             return
-        cuda.threadfence()                      # the other splits' partials, seen after
+        cuda.threadfence()                      # (and in every thread, before its reads)
         merge_rows(smem_f32, part_out, part_lse, out, lse, splits, b, row0, rows, n, H, tid,
                    warp, lane)
 
