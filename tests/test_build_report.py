@@ -17,12 +17,18 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# A hang guard, not a speed limit: the whole report (92 compilations for two targets) takes
+# about 6 minutes on 2 idle cores, more beside the other tests of a CI run (the tensor-core
+# kernel alone takes some 20 s a target).
+REPORT_TIMEOUT_S = 1500
+
+
 def run_real_target(args, code=None):
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
     command = [sys.executable, "-c", code] if code else [sys.executable, "-m", "ddtree_numba",
                                                          *args]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=REPORT_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
