@@ -50,23 +50,29 @@ def decode(parents, drafter, seed):
     """``int[RUNS, 1 + LENGTH]``: each run's start token and its first LENGTH emitted tokens."""
     rng = np.random.default_rng(seed)
     parents = np.array(parents, np.int32)
-    table = np.array([tree_tokens(parents, r, drafter) for r in range(V)], np.int32)
+    N = len(parents)
+    # the tree depends on the last token alone: build the V trees once, pick one a run
+    trees = ref.tree_from_parents(np.tile(parents, (V, 1)), np.array(
+        [tree_tokens(parents, r, drafter) for r in range(V)], np.int32))
     start = rng.integers(0, V, RUNS).astype(np.int32)
-    last, emitted = start.copy(), [[] for _ in range(RUNS)]
+    last = start.copy()
+    emitted = np.full((RUNS, LENGTH + N), -1, np.int32)   # room for a last step's overshoot
+    count = np.zeros(RUNS, np.int64)
     active = np.arange(RUNS)
     while len(active):
-        bs, N = len(active), len(parents)
-        tokens = table[last[active]]
-        tree = ref.tree_from_parents(np.tile(parents, (bs, 1)), tokens)
-        result = ref.tree_sample(tree.token_ids, tree.next_token, tree.next_sibling,
-                                 TARGET[tokens], rng.random((bs, N), dtype=np.float32),
+        bs, pick = len(active), last[active]
+        result = ref.tree_sample(trees.token_ids[pick], trees.next_token[pick],
+                                 trees.next_sibling[pick], TARGET[trees.token_ids[pick]],
+                                 rng.random((bs, N), dtype=np.float32),
                                  rng.random(bs, dtype=np.float32))
-        for j, run in enumerate(active):
-            k = int(result.accept_len[j])
-            emitted[run] += result.accept_tokens[j, : k + 1].tolist()
+        taken = result.accept_len.astype(np.int64) + 1          # accepted tokens + the bonus
+        for j in range(int(taken.max())):                       # append them, column by column
+            rows = np.flatnonzero(j < taken)
+            emitted[active[rows], count[active[rows]] + j] = result.accept_tokens[rows, j]
+        count[active] += taken
         last[active] = result.bonus_token
-        active = np.array([run for run in active if len(emitted[run]) < LENGTH], np.int64)
-    return np.column_stack([start, np.array([e[:LENGTH] for e in emitted])])
+        active = active[count[active] < LENGTH]
+    return np.column_stack([start, emitted[:, :LENGTH]])
 
 
 def chi_square(samples):
