@@ -1,10 +1,12 @@
 """Benchmark: draft_topk against torch and CuPy; tree_accept and commit_kv device time.
 
 draft_topk: bs in {1, 8, 64}, L = 15, V in {32000, 163840}, K in {16, 256, 1024}, float32
-logits (and bfloat16 at the largest size); ``parts`` blocks per row as the launcher picks them,
-and ``whole_rows_us`` the same call with one block per row (``parts=1``). GB/s counts one
-read of the logits (the floor), against the device-to-device copy bandwidth measured in the
-same run. Baselines:
+logits (and bfloat16 at the largest size); the one-pass ``filtered`` kernel where K <= 256
+(else the two-pass one) with ``parts`` blocks per row as the launcher picks them,
+``whole_rows_us`` the same call with one block per row (``parts=1``) and ``two_pass_us`` the
+two-pass kernel with the same parts. GB/s counts one read of the logits (the floor), against
+the device-to-device copy bandwidth measured in the same run. Then, at bs 1 and V 163 840,
+the one-pass kernel in every number of parts the merge takes (``parts_sweep``). Baselines:
 ``torch.topk`` + ``torch.logsumexp`` (eager, events) and CuPy written the obvious way
 (log-softmax, then a full ``argsort``).
 
@@ -30,9 +32,10 @@ from ddtree_numba import reference as ref
 from ddtree_numba.arrays import BFLOAT16
 from ddtree_numba.kernels._device import launch, launch_stream
 from ddtree_numba.kernels.draft_topk import parts_per_row
+from ddtree_numba.kernels.draft_topk_filtered import FILTER_MAX_K
 
 
-def bench_draft_topk(quick: bool):
+def bench_draft_topk(quick: bool, targets: bool = False):
     bench = Bench("draft_topk")
     copy_gbs = copy_bandwidth_gbs(bench)
     L = 15
@@ -41,6 +44,10 @@ def bench_draft_topk(quick: bool):
     configs += [(64, 163840, 256, "bfloat16"), (8, 163840, 256, "bfloat16")]
     if quick:
         configs = [c for c in configs if c[0] != 8][:6]
+    if targets:                             # the configurations the issue sets targets for
+        configs = [(1, 163840, 256, "float32"), (64, 163840, 256, "float32"),
+                   (64, 163840, 256, "bfloat16"), (1, 163840, 16, "float32"),
+                   (64, 32000, 256, "float32"), (64, 163840, 16, "float32")]
     for bs, V, k, dtype in configs:
         tdtype = torch.float32 if dtype == "float32" else torch.bfloat16
         x_t = (torch.randn((bs, L, V), device="cuda") * 3).to(tdtype)
@@ -50,13 +57,17 @@ def bench_draft_topk(quick: bool):
 
         parts = parts_per_row(bs * L, V, k)
         scratch = K.allocate_topk_scratch(bs, L, V, k)   # allocated outside the graph
+        logits = x_t if dtype == "bfloat16" else x
+        variant = "filtered" if k <= FILTER_MAX_K else "two_pass"
 
         def launch():
-            K.draft_topk(x_t if dtype == "bfloat16" else x, k, out=out, scratch=scratch)
+            K.draft_topk(logits, k, out=out, scratch=scratch, variant=variant)
 
         gpu = bench.time_device(launch, reps=20)
         whole_rows = gpu if parts == 1 else bench.time_device(
-            lambda: K.draft_topk(x_t if dtype == "bfloat16" else x, k, out=out, parts=1),
+            lambda: K.draft_topk(logits, k, out=out, parts=1, variant=variant), reps=20)
+        two_pass = gpu if variant == "two_pass" else bench.time_device(
+            lambda: K.draft_topk(logits, k, out=out, scratch=scratch, variant="two_pass"),
             reps=20)
 
         def torch_way():
@@ -75,24 +86,53 @@ def bench_draft_topk(quick: bool):
             return cp.take_along_axis(x_c, ids, axis=-1) - lse, ids
 
         cupy_t = bench.time_eager_events(cupy_way, reps=3) if V * bs <= 8 * 163840 else None
-        # exactness on this input: ids equal to the reference's
+        # exactness on this input: ids equal to the reference's (the variant measured)
+        launch()
         host = x_t.float().cpu().numpy() if dtype == "bfloat16" else x_t.cpu().numpy()
         want_ids = ref.draft_topk(host[: min(bs, 2)], k)[1]
         exact = bool((out[1].copy_to_host()[: min(bs, 2)] == want_ids).all())
         nbytes = bs * L * V * x_t.element_size()
         gbs = nbytes / (gpu["ms"] * 1e-3) / 1e9
-        bench.add(bs=bs, L=L, V=V, k=k, dtype=dtype, parts=parts, gpu_us=gpu["ms"] * 1e3,
-                  whole_rows_us=whole_rows["ms"] * 1e3,
+        bench.add(bs=bs, L=L, V=V, k=k, dtype=dtype, variant=variant, parts=parts,
+                  gpu_us=gpu["ms"] * 1e3, whole_rows_us=whole_rows["ms"] * 1e3,
+                  two_pass_us=two_pass["ms"] * 1e3,
                   read_gbs=gbs, pct_of_copy_bw=100 * gbs / copy_gbs, copy_gbs=copy_gbs,
                   torch_us=torch_t["ms"] * 1e3, speedup_vs_torch=torch_t["ms"] / gpu["ms"],
                   cupy_us=None if cupy_t is None else cupy_t["ms"] * 1e3, ids_exact=exact)
         torch.cuda.empty_cache()
     bench.write_csv()
-    print_table(bench.rows, ["bs", "V", "k", "dtype", "parts", "gpu_us", "whole_rows_us",
-                             "read_gbs", "pct_of_copy_bw", "torch_us", "speedup_vs_torch",
-                             "cupy_us", "ids_exact"],
+    print_table(bench.rows, ["bs", "V", "k", "dtype", "variant", "parts", "gpu_us",
+                             "whole_rows_us", "two_pass_us", "read_gbs", "pct_of_copy_bw",
+                             "torch_us", "speedup_vs_torch", "cupy_us", "ids_exact"],
                 f"draft_topk on {bench.gpu}, {bench.date}; copy bandwidth "
                 f"{bench.rows[0]['copy_gbs']:.0f} GB/s (read + write)")
+    if not targets:
+        sweep_parts(quick)
+
+
+def sweep_parts(quick: bool):
+    """bs 1, L 15, V 163 840: the one-pass kernel in 1, 2, 4, ... parts (as far as the merge
+    takes ``parts * k`` candidates), float32 logits."""
+    from ddtree_numba.kernels.draft_topk import MAX_PARTS, MERGE_CAP
+
+    bench = Bench("draft_topk_parts")
+    L, V = 15, 163840
+    x = K.as_device(torch.randn((1, L, V), device="cuda") * 3)
+    for k in (16, 256):
+        out = (K.as_device(cp.empty((1, L, k), cp.float32)),
+               K.as_device(cp.empty((1, L, k), cp.int32)))
+        parts = 1
+        while parts <= min(MERGE_CAP // k, MAX_PARTS) and not (quick and parts > 4):
+            scratch = K.allocate_topk_scratch(1, L, V, k, parts)
+            t = bench.time_device(lambda: K.draft_topk(x, k, out=out, parts=parts,
+                                                       scratch=scratch, variant="filtered"),
+                                  reps=20)
+            bench.add(bs=1, L=L, V=V, k=k, parts=parts, gpu_us=t["ms"] * 1e3,
+                      chosen=parts == parts_per_row(L, V, k))
+            parts *= 2
+    bench.write_csv()
+    print_table(bench.rows, ["k", "parts", "gpu_us", "chosen"],
+                f"draft_topk, one pass, bs 1, V {V}: blocks per row")
 
 
 @cuda.jit
@@ -201,4 +241,4 @@ if __name__ == "__main__":
     if "--draft-topk-only" not in sys.argv:
         bench_accept_commit(quick)
     if "--accept-commit-only" not in sys.argv:
-        bench_draft_topk(quick)
+        bench_draft_topk(quick, targets="--targets" in sys.argv)

@@ -31,35 +31,39 @@ def test_reference_all_neg_inf_row_and_fewer_finite_than_k():
     assert lp[0, 1].tolist() == [0.0, -np.inf, -np.inf]
 
 
-def error_bound(x_row, lp_ref, V, threads, parts=1):
+def error_bound(x_row, lp_ref, V, threads, parts=1, rescale=0.0):
     """|kernel - reference| bound: float32 sum-exp error (``parts`` slices of ``V / parts``
-    terms, then about three roundings per slice to combine them) + rounding of lse and of
-    x - lse."""
+    terms, each term's rounding plus, for the one-pass kernel, about three roundings a
+    rescale, at most ``rescale`` of them a term; then about three roundings per slice to
+    combine them) + rounding of lse and of x - lse."""
     finite = np.isfinite(lp_ref)
     lse = np.float64(x_row.max()) + np.log(np.exp(x_row.astype(np.float64) - x_row.max()).sum())
-    sum_error = (V / (parts * threads) + 16 + 3 * (parts - 1)) * EPS32
+    sum_error = (V / (parts * threads) * (1 + 3 * rescale) + 16 + 3 * (parts - 1)) * EPS32
     return sum_error + EPS32 * abs(lse) + EPS32 * np.abs(lp_ref), finite
 
 
-def check_kernel(x, k, parts=None):
-    from ddtree_numba.kernels.draft_topk import parts_per_row
+def check_kernel(x, k, parts=None, variant=None):
+    from ddtree_numba.kernels.draft_topk import TOPK_THREADS, parts_per_row
+    from ddtree_numba.kernels.draft_topk_filtered import FILTER_THREADS, WORDS
 
     if parts is None:
         parts = parts_per_row(x.shape[0] * x.shape[1], x.shape[2], k)
-    lp, ids = K.draft_topk(x, k, parts=parts)
+    lp, ids = K.draft_topk(x, k, parts=parts, variant=variant)
     lp, ids = lp.copy_to_host(), ids.copy_to_host()
     want_lp, want_ids = ref.draft_topk(x, k)
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_array_equal(np.isneginf(lp), np.isneginf(want_lp))
     x32 = np.asarray(x).astype(np.float32)
-    from ddtree_numba.kernels.draft_topk import TOPK_THREADS
-
+    filtered = variant == "filtered"
+    threads = FILTER_THREADS if filtered else TOPK_THREADS
+    # a rescale at most once a tile: 2 * WORDS logits a lane (float32), 4 * WORDS (bfloat16)
+    rescale = 1 / (2 * WORDS) if filtered else 0.0
     for b in range(x.shape[0]):
         for d in range(x.shape[1]):
             if np.isneginf(x32[b, d]).all():
                 continue
-            bound, finite = error_bound(x32[b, d], want_lp[b, d], x.shape[2], TOPK_THREADS,
-                                        parts)
+            bound, finite = error_bound(x32[b, d], want_lp[b, d], x.shape[2], threads,
+                                        parts, rescale)
             err = np.abs(lp[b, d][finite] - want_lp[b, d][finite])
             assert (err <= bound[finite]).all(), (b, d, err.max())
 
@@ -134,6 +138,64 @@ def test_kernel_with_its_gpu_scan_and_sort_on_emulated_shuffles(monkeypatch):
             check_kernel(x, k, parts)
 
 
+def filtered_case(case, rng):
+    """``(x, k, parts)`` for the one-pass kernel on the simulator (2 warps of 32 lanes, 128
+    candidates a warp, tiles of 128 logits a warp: ``draft_topk_filtered``): 256 logits a
+    warp, so every warp compacts at least once."""
+    V, k, parts = 512, 40, 1
+    x = rng.standard_normal((1, 2, V)).astype(np.float32)
+    if case == "k_max":
+        k = 64                                          # FILTER_MAX_K on the simulator
+    if case == "rising":                                # every tile raises every lane's max:
+        x[0, 0] = np.linspace(-30, 30, V)               # a rescale a tile, an insert a tile
+    if case == "ties_fall_back":
+        # round(N(0, 1)): ~34 logits of 512 are >= 2, so the 40th largest is 1 and has ~120
+        # ties, more than top's 128 can take beside the 34: the two-pass fallback
+        x = np.round(x)
+    if case == "few_ties":
+        x[0, 0, ::7] = 0.5                              # 74 equal keys spread over the row
+    if case == "neg_inf":
+        x[0, 0] = -np.inf                               # all -inf: 256 ties fill each warp
+        x[0, 1, 30:] = -np.inf                          # fewer finite than k
+    if case == "signed_zeros":
+        x[0, 0, ::2] = -0.0
+        x[0, 0, 1::2] = 0.0
+    if case == "k1":
+        k = 1
+    if case == "split":
+        x = rng.standard_normal((1, 2, 1024)).astype(np.float32)
+        parts = 2                                       # 256 logits a warp again
+    if case == "wide_span":
+        x *= np.float32(1e30)                           # keys spread over many binades
+    return x, k, parts
+
+
+@pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated warp intrinsics")
+@pytest.mark.parametrize("case", ["random", "k_max", "rising", "ties_fall_back", "few_ties",
+                                  "neg_inf", "signed_zeros", "k1", "split", "wide_span"])
+def test_filtered_kernel_on_emulated_warp_intrinsics(monkeypatch, case):
+    """The one-pass kernel (ballots, shuffles) through the emulated warp intrinsics: ids
+    exact, log-probs within the bound, through compactions, the block's floor, and the
+    two-pass fallback where ties fill a warp or crowd the final sort."""
+    from simulated_warp import emulated_shuffles, take_gpu_variant
+
+    take_gpu_variant(monkeypatch, "ddtree_numba.kernels.draft_topk")
+    x, k, parts = filtered_case(case, np.random.default_rng(zlib.crc32(case.encode())))
+    with emulated_shuffles():
+        check_kernel(x, k, parts, variant="filtered")
+
+
+def test_filtered_variant_refuses_what_it_cannot_take(monkeypatch):
+    from simulated_warp import take_gpu_variant
+
+    take_gpu_variant(monkeypatch, "ddtree_numba.kernels.draft_topk")
+    x = np.zeros((1, 2, 97), np.float32)                # odd V: not whole 8-byte words
+    with pytest.raises(ValueError, match="variant: 'filtered'.*V=97"):
+        K.draft_topk(x, 4, variant="filtered")
+    with pytest.raises(ValueError, match="variant: 'filtered'.*k=300"):
+        K.draft_topk(np.zeros((1, 1, 1024), np.float32), 300, variant="filtered")
+
+
 def test_split_row_with_an_empty_slice():
     """V = 9 in 4 parts of 3: the fourth slice is empty and contributes nothing."""
     x = np.random.default_rng(3).standard_normal((1, 2, 9)).astype(np.float32)
@@ -161,10 +223,13 @@ def test_split_scratch_and_parts_are_checked():
 @pytest.mark.parametrize("V, k", [(32000, 16), (32000, 256), (163840, 1024), (163840, 256),
                                   (5000, 1024), (1500, 1024)])
 @pytest.mark.parametrize("dtype", [np.float32, bfloat16])
-def test_kernel_real_sizes(V, k, dtype):
+@pytest.mark.parametrize("variant", ["two_pass", "filtered"])
+def test_kernel_real_sizes(V, k, dtype, variant):
+    if variant == "filtered" and k > 256:
+        pytest.skip("the one-pass kernel takes k <= 256")
     rng = np.random.default_rng(V + k)
     x = (rng.standard_normal((3, 5, V)) * 3).astype(dtype)
     x[0, 0] = np.round(x[0, 0].astype(np.float32))     # massive ties: refinement levels
     x[1, 2, 100:] = -np.inf                             # fewer finite than k
     x[2, 4] = -np.inf                                   # all -inf: the ordered-ties path
-    check_kernel(x, k)
+    check_kernel(x, k, variant=variant)

@@ -217,7 +217,7 @@ def _hillis_steele_scan(scratch, value, tid, T):
 
 
 @cuda.jit(device=True, inline=True)
-def _warp_inclusive_scan(x, lane):
+def warp_inclusive_scan(x, lane):
     """Inclusive sum of ``x`` over lanes ``0 .. lane`` of a full warp (five shuffles)."""
     offset = 1
     while offset < 32:
@@ -235,12 +235,12 @@ def _warp_shuffle_scan(scratch, value, tid, T):
     lane = tid & 31
     warp = tid >> 5
     warps = T >> 5
-    x = _warp_inclusive_scan(int32(value), lane)
+    x = warp_inclusive_scan(int32(value), lane)
     if lane == 31:
         scratch[warp] = x                   # the warp's total
     cuda.syncthreads()                      # every warp's total in place
     if warp == 0:
-        t = _warp_inclusive_scan(scratch[lane] if lane < warps else int32(0), lane)
+        t = warp_inclusive_scan(scratch[lane] if lane < warps else int32(0), lane)
         if lane < warps:
             scratch[lane] = t               # warps 0 .. lane together (only this lane read
                                             # scratch[lane] above: no race)

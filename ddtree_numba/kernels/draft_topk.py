@@ -3,7 +3,8 @@
 One block per ``[b, d, :]`` row of ``V`` logits (``rows = bs * L``), or, when the rows are too
 few to fill the GPU, ``parts`` blocks per row and a merge (below). The selection never sorts
 the vocabulary: it finds the K-th largest key by **radix select** on the float bits, then sorts
-only the few survivors.
+only the few survivors. (``draft_topk_filtered`` is a one-pass variant for ``K <= 256``,
+``variant="filtered"``: each logit read once and, mostly, only compared with a running floor.)
 
 *Orderable keys* (``_primitives.orderable_key``) map float32 bits to uint32 so that unsigned
 order = float order, with ``-0.0 == +0.0`` as in the reference. The rank order is "key
@@ -58,10 +59,18 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
-from ..arrays import storage_kind
+from ..arrays import data_address, storage_kind
 from ..limits import MAX_K
 from ..validation import check_draft_topk, require_array, require_int
-from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream, sm_count
+from ._device import (
+    SIMULATOR,
+    as_device,
+    device_empty,
+    launch,
+    launch_stream,
+    resolve_variant,
+    sm_count,
+)
 from ._primitives import (
     bitonic_sort_desc,
     bits_of_key,
@@ -128,8 +137,9 @@ def _find_threshold_digit(hist, nbins, need, scratch, result, tid, T):
 # ------------------------------------------------------------------------------------------
 # The kernels (one specialisation per storage type: float32 bits or bfloat16 bits)
 # ------------------------------------------------------------------------------------------
-def _make_topk_kernels(bf16: bool):
-    """``(whole_row_kernel, part_kernel)`` for float32 (``bf16=False``) or bfloat16 bits."""
+def _make_select_top(bf16: bool):
+    """``(load_bits, select_top)`` device functions for float32 (``bf16=False``) or bfloat16
+    bits (the one-pass kernels of ``draft_topk_filtered`` fall back on this select)."""
     if bf16:
 
         @cuda.jit(device=True, inline=True)
@@ -143,16 +153,11 @@ def _make_topk_kernels(bf16: bool):
             return uint32(row[v])
 
     @cuda.jit(device=True, inline=True)
-    def select_top(row, lo, hi, k, tid, T, cand):
+    def select_top(row, lo, hi, k, tid, T, cand, hist, scratch, result, red_u, red_f, n_cand):
         """Phases 1-4a on the logits ``row[lo:hi]`` (all threads call it): afterwards
         ``cand[0:kk]`` holds the ``kk = min(k, hi - lo)`` best packed candidates, best first.
-        Returns ``(m, s, kk)``: the slice's max logit and sum of ``exp(x - m)``."""
-        hist = cuda.shared.array(BINS, int32)
-        scratch = cuda.shared.array(MAX_THREADS, int32)
-        result = cuda.shared.array(3, int32)
-        red_u = cuda.shared.array(MAX_THREADS, uint32)
-        red_f = cuda.shared.array(MAX_THREADS, float32)
-        n_cand = cuda.shared.array(1, int32)
+        Returns ``(m, s, kk)``: the slice's max logit and sum of ``exp(x - m)``. The shared
+        arrays come from the kernel (``SelectShared``: one set a kernel, whoever uses it)."""
         buf = cuda.local.array(UNROLL, uint32)  # UNROLL loads in flight per thread
         kk = min(k, hi - lo)
 
@@ -254,14 +259,41 @@ def _make_topk_kernels(bf16: bool):
         bitonic_sort_desc(cand, n2, tid, T)
         return m, total, kk
 
+    return load_bits, select_top
+
+
+@cuda.jit(device=True, inline=True)
+def select_shared():
+    """The shared arrays :func:`select_top` works in (static, one set per kernel):
+    ``(hist, scratch, result, red_u, red_f, n_cand)``. (One array a line: the simulator tells
+    shared arrays apart by the line that makes them.)"""
+    hist = cuda.shared.array(BINS, int32)
+    scratch = cuda.shared.array(MAX_THREADS, int32)
+    result = cuda.shared.array(3, int32)
+    red_u = cuda.shared.array(MAX_THREADS, uint32)
+    red_f = cuda.shared.array(MAX_THREADS, float32)
+    n_cand = cuda.shared.array(1, int32)
+    return hist, scratch, result, red_u, red_f, n_cand
+
+
+#: ``_select_top(bf16)``: ``(load_bits, select_top)``, made once per kind.
+_select_top = functools.cache(_make_select_top)
+
+
+def _make_topk_kernels(bf16: bool):
+    """``(whole_row_kernel, part_kernel)`` for float32 (``bf16=False``) or bfloat16 bits."""
+    _, select_top = _select_top(bf16)
+
     @cuda.jit
     def whole_row_kernel(logit_bits, k, top_log_probs, top_token_ids):
         """Grid ``(rows,)``, block ``(T,)``; row ``logit_bits[row, :]`` -> K outputs."""
         row_id = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         cand = cuda.shared.array(SORT_CAP, uint64)
+        hist, scratch, result, red_u, red_f, n_cand = select_shared()
         m, total, _ = select_top(logit_bits[row_id], 0, logit_bits.shape[1], k, tid,
-                                 cuda.blockDim.x, cand)
+                                 cuda.blockDim.x, cand, hist, scratch, result, red_u, red_f,
+                                 n_cand)
         lse = m + math.log(total) if m > NEG_INF else NEG_INF
         _write_top(cand, k, lse, row_id, tid, cuda.blockDim.x, top_log_probs, top_token_ids)
 
@@ -284,7 +316,9 @@ def _make_topk_kernels(bf16: bool):
                 part_sum[row_id, p] = float32(0.0)
             return
         cand = cuda.shared.array(SORT_CAP, uint64)
-        m, total, kk = select_top(logit_bits[row_id], lo, hi, k, tid, cuda.blockDim.x, cand)
+        hist, scratch, result, red_u, red_f, n_cand = select_shared()
+        m, total, kk = select_top(logit_bits[row_id], lo, hi, k, tid, cuda.blockDim.x, cand,
+                                  hist, scratch, result, red_u, red_f, n_cand)
         for r in range(tid, k, cuda.blockDim.x):
             part_keys[row_id, p, r] = cand[r] if r < kk else uint64(0)
         if tid == 0:
@@ -367,7 +401,18 @@ def allocate_topk_scratch(bs: int, L: int, V: int, k: int, parts: int | None = N
             device_empty((rows, parts), np.float32))
 
 
-def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None):
+def filtered_applies(logits_bits, k: int) -> bool:
+    """Whether the one-pass ``"filtered"`` variant takes these logits (the element-bit view
+    ``uint32|uint16[rows, V]``): ``k <= FILTER_MAX_K`` and rows of whole 8-byte words, the
+    first 8-byte aligned."""
+    from .draft_topk_filtered import FILTER_MAX_K
+
+    per_word = 8 // logits_bits.dtype.itemsize
+    return (k <= FILTER_MAX_K and logits_bits.shape[1] % per_word == 0
+            and data_address(logits_bits) % 8 == 0)
+
+
+def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, variant=None):
     """Per-depth log-softmax top-K of the drafter's logits on the GPU (one or two launches,
     no sync).
 
@@ -388,6 +433,12 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None):
     scratch : tuple, optional
         :func:`allocate_topk_scratch` buffers for those ``parts`` (allocated here if None;
         when ``parts`` is omitted, their shape sets it).
+    variant : str, optional
+        ``"two_pass"`` (the default, everywhere) or ``"filtered"`` (one pass over the logits:
+        ``draft_topk_filtered``; a GPU with warp intrinsics, ``k <= 256`` and rows of whole
+        8-byte words: :func:`~ddtree_numba.kernels.draft_topk.filtered_applies`). The
+        one-pass kernel is asked for by name until a benchmark run has measured it against
+        the two-pass one (``benchmarks/NOTES.md``).
 
     Returns
     -------
@@ -415,6 +466,8 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None):
                                            (np.float32, ("rows", "parts")),
                                            (np.float32, ("rows", "parts")))):
             require_array(f"scratch[{i}]", scratch[i], (dtype,), dims, sizes)
+    asked = variant
+    variant = resolve_variant(variant or "two_pass", readable="two_pass", fast="filtered")
     is_bf16 = storage_kind(logits) == "bfloat16"
     if SIMULATOR and is_bf16:               # the simulator has no bf16: widen exactly on host
         logits = np.asarray(logits).astype(np.float32)
@@ -422,6 +475,12 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None):
     x = as_device(logits)
     bits = x.reshape(rows, sz.V)
     bits = bits.view(np.uint16) if is_bf16 else bits.view(np.uint32)
+    if variant == "filtered" and not filtered_applies(bits, sz.k):
+        if asked == "filtered":
+            raise ValueError(f"variant: 'filtered' takes k <= 256 and rows of whole 8-byte "
+                             f"words (V a multiple of {8 // bits.dtype.itemsize}, aligned); "
+                             f"got k={sz.k}, V={sz.V}")
+        variant = "two_pass"
     if out is None:
         top_lp = device_empty((sz.bs, sz.L, sz.k), np.float32)
         top_ids = device_empty((sz.bs, sz.L, sz.k), np.int32)
@@ -429,13 +488,26 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None):
         top_lp, top_ids = out
     if rows:
         stream = launch_stream()
-        whole_row, part = _kernels(is_bf16)
         outputs = (top_lp.reshape(rows, sz.k), top_ids.reshape(rows, sz.k))
-        if parts == 1:
-            launch(whole_row, rows, TOPK_THREADS, stream)(bits, sz.k, *outputs)
+        if variant == "filtered":
+            from .draft_topk_filtered import FILTER_THREADS, filtered_kernels
+
+            whole_row, part = filtered_kernels(is_bf16)
+            words = bits.view(np.uint64)    # [rows, V / per_word]: 8-byte loads
+            if parts == 1:
+                launch(whole_row, rows, FILTER_THREADS, stream)(words, bits, sz.k, *outputs)
+            else:
+                chunk = math.ceil(words.shape[1] / parts)       # in words
+                launch(part, (rows, parts), FILTER_THREADS, stream)(words, bits, sz.k, chunk,
+                                                                    *scratch)
         else:
-            chunk = math.ceil(sz.V / parts)
-            launch(part, (rows, parts), TOPK_THREADS, stream)(bits, sz.k, chunk, *scratch)
+            whole_row, part = _kernels(is_bf16)
+            if parts == 1:
+                launch(whole_row, rows, TOPK_THREADS, stream)(bits, sz.k, *outputs)
+            else:
+                chunk = math.ceil(sz.V / parts)
+                launch(part, (rows, parts), TOPK_THREADS, stream)(bits, sz.k, chunk, *scratch)
+        if parts > 1:
             launch(_merge_kernel, rows, TOPK_THREADS, stream)(*scratch, sz.k, *outputs)
     return top_lp, top_ids
 
@@ -457,6 +529,17 @@ def build_specs():
                        (bits[:, ::1], types.int64, *out), TOPK_THREADS, True),
             KernelSpec("draft_topk", f"{name} logits, row slices", part_kernel,
                        (bits[:, ::1], *part), TOPK_THREADS, True),
+        ]
+    from .draft_topk_filtered import FILTER_THREADS, filtered_kernels
+
+    for name, bits in (("float32", types.uint32), ("bfloat16", types.uint16)):
+        whole_row, part_kernel = filtered_kernels(name == "bfloat16")
+        words = (types.uint64[:, ::1], bits[:, ::1])
+        specs += [
+            KernelSpec("draft_topk", f"{name} logits, one pass", whole_row,
+                       (*words, types.int64, *out), FILTER_THREADS, True),
+            KernelSpec("draft_topk", f"{name} logits, one pass, row slices", part_kernel,
+                       (*words, *part), FILTER_THREADS, True),
         ]
     specs.append(KernelSpec("draft_topk", "merge of the slices", _merge_kernel,
                             (types.uint64[:, :, ::1], types.float32[:, ::1],

@@ -1,0 +1,424 @@
+"""Draft top-K in one pass over the logits: ``kernels.draft_topk(..., variant="filtered")``.
+
+The two-pass kernel (``draft_topk.py``) reads every row twice and pays a contended shared
+atomic for every logit (its histogram): at bs = 64, V = 163 840 it runs at 17 % of the copy
+bandwidth. This variant reads each logit once and, for almost every logit, does nothing but a
+compare with a running *threshold key*; the exact selection then runs over the few thousand
+logits that passed it.
+
+**Why a threshold may drop logits.** Rank order is "key descending, id ascending" (the
+orderable keys of ``_primitives``). If at least ``k`` logits of the slice have a key ``>= t``,
+a logit whose key is below ``t`` is outranked by all of them and cannot be among the best
+``k``: ``t`` is a *valid floor*. A logit whose key equals ``t`` may still be (smaller id), so
+it is kept. Every floor below is valid by construction, so the held logits always contain the
+slice's best ``k``; the result is the same ids as the reference, bit for bit.
+
+Who touches what, for a block of ``FILTER_THREADS`` threads (``WARPS`` warps) on the slice of
+``words[wlo:whi]`` of a row (a *word* is 8 bytes: two float32 or four bfloat16 logits)::
+
+    per thread   the online log-sum-exp of the logits it loads: m (max), s (sum of exp(x - m),
+                 rescaled by exp(m_old - m) when a tile raises m)
+    per warp     a held set buf[w * WARP_CAP : (w + 1) * WARP_CAP] of packed candidates
+                 (key << 32 | ~id), its count n and its floor (all held keys >= floor), in
+                 registers that every lane of the warp agrees on; warps never wait for each
+                 other inside the loop (no block barrier there)
+    per block    ``floor_b``: the largest floor any warp has found (a shared atomic max); every
+                 warp filters with max(own floor, floor_b)
+
+The loop: warp ``w`` takes tiles ``w, w + WARPS, ...`` of ``32 * WORDS`` words; lane ``l``
+loads words ``tile + u * 32 + l`` for ``u < WORDS`` (every load of the tile is issued before
+any is used: ``WORDS`` 8-byte loads in flight per lane, each a 256-byte coalesced row across
+the warp). If no lane holds a logit at or above the filter (``ballot``: the common case once
+the floor is up) the tile costs its loads, its max and its ``exp``. Otherwise each value
+position is appended by a warp-aggregated write: a ``ballot`` of who passes, each passing lane
+writing at ``n + popc(ballot & lanes_below)``.
+
+**Compaction** (one warp, when an append would pass ``WARP_CAP``): find a key ``t`` with at
+least ``k`` held keys ``>= t``, as high as cheaply possible, and drop the held keys below it.
+A 256-bin histogram of ``(key - floor) >> shift`` (``shift`` such that the held keys' span
+fits 256 bins; the warp's own 256 counters in ``hist``) and a warp scan from the top bin find
+the bin holding the ``k``-th key; while that bin is crowded (more than ``k + 32`` keys at or
+above its lower edge) the next 8 bits refine it. The bin's lower edge is the new floor.
+If ties at one exact key keep the warp full even so, the block falls back (below).
+
+**The end.** After a block barrier: the block's ``max`` and sum of ``exp`` (a block max of
+``m``, each ``s`` rescaled to it, a block sum); an exact radix select (11 + 11 + 10 bits, the
+two-pass kernel's histogram and threshold search) over the held keys ``>= floor_b`` for the
+``kk``-th largest key; the held logits at or above it (``kk - 1`` plus its ties, at most
+``TOP_CAP``) gathered into ``top`` and sorted (bitonic, descending packed keys). Where a warp
+overflowed, or the ties at the ``kk``-th key do not fit ``TOP_CAP`` (rows of many equal
+logits, e.g. all ``-inf``), the block runs the two-pass select on its slice instead (a second
+read of the slice, exact, with its ordered-ties path): correctness never depends on the data.
+
+Rows must be whole words (``V`` a multiple of 2 for float32, of 4 for bfloat16, 8-byte
+aligned); ``k <= FILTER_MAX_K`` (a warp's held set must have room above ``k``). The launcher
+takes the two-pass kernel otherwise.
+
+Precision: each thread sums ``V / (parts * FILTER_THREADS)`` terms; a rescale (at most one a
+tile, ``2 * WORDS`` or ``4 * WORDS`` logits) adds about three roundings; combining the threads
+adds about ``log2(FILTER_THREADS) + 3``. ``tests/test_draft_topk.py`` checks that bound.
+
+Warp intrinsics (``ballot_sync``, ``shfl_sync``, ``redux.sync``): a GPU variant; the simulator
+runs it only through the tests' emulated shuffles.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from numba import cuda, float32, int32, int64, uint32, uint64
+
+from ._device import SIMULATOR
+from ._primitives import (
+    FULL_MASK,
+    bitonic_sort_desc,
+    bits_to_float,
+    block_max,
+    block_scan_scratch,
+    block_sum,
+    float_of_key,
+    orderable_key,
+    warp_inclusive_scan,
+)
+from .draft_topk import (
+    BINS,
+    LEVEL_MASK,
+    LEVEL_SHIFT,
+    NEG_INF,
+    SORT_CAP,
+    _find_threshold_digit,
+    _select_top,
+    _write_top,
+)
+
+FILTER_THREADS = 64 if SIMULATOR else 256   # whole warps
+WARPS = FILTER_THREADS // 32
+WARP_CAP = 128 if SIMULATOR else 512        # candidates a warp holds
+FILTER_MAX_K = WARP_CAP // 2                # room above k for the appends between compactions
+TOP_CAP = 2 * FILTER_MAX_K                  # the final sort: kk - 1 + the ties at the kk-th key
+WORDS = 2 if SIMULATOR else 8               # 8-byte loads in flight per lane
+WARP_BINS = 256                             # a compaction's histogram, per warp
+COUNTS = WARPS + 1                          # held per warp, and the overflow flag
+SCAN_SCRATCH = block_scan_scratch(FILTER_THREADS)
+assert WARPS * WARP_CAP <= SORT_CAP and WARPS * WARP_BINS <= BINS
+
+
+@cuda.jit(device=True, inline=True)
+def _key_of(packed):
+    return uint32(packed >> uint64(32))
+
+
+@cuda.jit(device=True, inline=True)
+def _cut_of(key):
+    """The float a logit must reach to pass the filter of key ``key`` (0: no filter yet)."""
+    return NEG_INF if key == 0 else float_of_key(key)
+
+
+@cuda.jit(device=True, inline=True)
+def _warp_max_key(key):
+    """The largest uint32 ``key`` of the warp, to every lane: five ``shfl.xor`` steps (lane
+    ``l`` takes the max with lane ``l ^ 16``, then ``l ^ 8``, ...). Not ``redux.sync``
+    (``_primitives.warp_max_u32``): numba passes inline assembly to LLVM without the
+    *convergent* mark its shuffle intrinsics carry."""
+    best = int64(key)                       # (numba shuffles 32- and 64-bit signed values)
+    offset = 16
+    while offset > 0:
+        best = max(best, cuda.shfl_xor_sync(FULL_MASK, best, offset))
+        offset //= 2
+    return uint32(best)
+
+
+@cuda.jit(device=True, inline=True)
+def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
+    """Warp-collective (all 32 lanes, uniform arguments): raise the floor of the held set
+    ``buf[base : base + n]`` (every key ``>= floor``; ``n > need``) to the lower edge of the
+    histogram bin that holds its ``need``-th largest key, drop the keys below, and return
+    ``(new n, new floor)``."""
+    top = uint32(0)
+    for j in range(lane, n, 32):
+        top = max(top, _key_of(buf[base + j]))
+    top = _warp_max_key(top)
+    lo = floor                              # the bins cover [lo, hi] ...
+    hi = top
+    # ... in 256 bins of 2**shift keys. (uint32() throughout: numba widens uint32 - uint32
+    # to 64 bits, and clz of a 64-bit span would be 32 more, the shift 0, the bins past 255)
+    span = uint32(hi - lo)
+    shift = uint32(max(0, 24 - cuda.clz(span))) if span > 0 else uint32(0)
+    above = 0                               # held keys above [lo, hi]
+    b = 0
+    run = 0
+    while True:
+        for i in range(lane, WARP_BINS, 32):
+            hist[hbase + i] = 0
+        cuda.syncwarp()                     # cleared before the atomics
+        for j in range(lane, n, 32):
+            key = _key_of(buf[base + j])
+            if lo <= key and key <= hi:
+                cuda.atomic.add(hist, hbase + int32(uint32(key - lo) >> shift), 1)
+        cuda.syncwarp()                     # counted before the scan reads
+        # lane l sums bins 255 - 8 l .. 248 - 8 l (the top bins first); a warp scan of those
+        # sums finds the lane whose bins hold the need-th key counted from the top
+        first = WARP_BINS - 1 - 8 * lane
+        local = 0
+        for q in range(8):
+            local += hist[hbase + first - q]
+        incl = warp_inclusive_scan(int32(local), lane)
+        excl = incl - local
+        hit = above + excl < need and need <= above + incl
+        src = cuda.ffs(cuda.ballot_sync(FULL_MASK, hit)) - 1     # exactly one lane
+        if hit:
+            b = first
+            run = above + excl
+            for q in range(8):
+                count = hist[hbase + first - q]
+                if run + count >= need:
+                    b = first - q
+                    break
+                run += count
+        b = cuda.shfl_sync(FULL_MASK, b, src)           # the bin, and the keys above it
+        run = cuda.shfl_sync(FULL_MASK, run, src)
+        in_bin = cuda.shfl_sync(FULL_MASK, hist[hbase + b], src)
+        if shift == 0 or run + in_bin <= need + 32:
+            break
+        above = run                         # refine: the next 8 bits of bin b
+        lo = uint32(lo + (uint32(b) << shift))
+        hi = uint32(min(uint64(lo) + (uint64(1) << uint64(shift)) - uint64(1),
+                        uint64(0xFFFFFFFF)))
+        shift = uint32(max(0, int32(shift) - 8))
+        cuda.syncwarp()                     # every lane read hist before it is cleared
+    new_floor = uint32(lo + (uint32(b) << shift))
+    kept = 0
+    for c in range(0, n, 32):               # keep keys >= new_floor, in order, in place
+        j = c + lane
+        packed = buf[base + j] if j < n else uint64(0)
+        keep = j < n and _key_of(packed) >= new_floor
+        mask = cuda.ballot_sync(FULL_MASK, keep)
+        cuda.syncwarp()                     # the chunk read before any lane writes over it
+        if keep:                            # (to kept + rank <= j: never an unread entry)
+            buf[base + kept + cuda.popc(mask & lanes_below)] = packed
+        kept += cuda.popc(mask)
+    cuda.syncwarp()                         # the compacted set visible to the whole warp
+    return kept, new_floor
+
+
+def _make_filtered_kernels(bf16: bool):
+    """``(whole_row_kernel, part_kernel)`` of the one-pass select, float32 or bfloat16."""
+    per_word = 4 if bf16 else 2             # logits in an 8-byte word
+    neg_inf_word = uint64(0xFF80FF80FF80FF80) if bf16 else uint64(0xFF800000FF800000)
+    _, select_top = _select_top(bf16)
+
+    @cuda.jit(device=True, inline=True)
+    def value_bits(word, j):
+        """float32 bits of logit ``j`` of an 8-byte word (little-endian: logit 0 lowest)."""
+        if bf16:
+            return uint32((word >> uint64(16 * j)) & uint64(0xFFFF)) << uint32(16)
+        return uint32((word >> uint64(32 * j)) & uint64(0xFFFFFFFF))
+
+    @cuda.jit(device=True, inline=True)
+    def filter_select(words, bits, wlo, whi, k, tid, buf, top, hist, scratch, result, red_u,
+                      red_f, n_cand, counts, floor_b):
+        """All threads call it; afterwards ``top[0:kk]`` holds the ``kk = min(k, logits)``
+        best packed candidates of ``words[wlo:whi]``, best first. Returns ``(m, s, kk)``: the
+        slice's max logit and sum of ``exp(x - m)``."""
+        T = FILTER_THREADS
+        lane = tid & 31
+        warp = tid >> 5
+        base = warp * WARP_CAP              # this warp's held set in buf, its bins in hist
+        hbase = warp * WARP_BINS
+        lanes_below = (uint32(1) << uint32(lane)) - uint32(1)
+        kk = min(k, (whi - wlo) * per_word)
+        if tid == 0:
+            floor_b[0] = uint32(0)          # key 0: below every logit (no floor yet)
+            counts[WARPS] = 0               # the overflow flag
+        cuda.syncthreads()                  # block state reset before any warp reads it
+
+        m = NEG_INF
+        s = float32(0.0)
+        n = 0                               # held by this warp (uniform across its lanes)
+        floor = uint32(0)                   # every held key >= floor
+        overflow = False
+        word = cuda.local.array(WORDS, uint64)
+        for tile in range(wlo + warp * 32 * WORDS, whi, WARPS * 32 * WORDS):
+            for u in range(WORDS):          # issue every load of the tile first
+                i = tile + u * 32 + lane
+                word[u] = words[i] if i < whi else neg_inf_word
+            # online log-sum-exp (a missing word reads as -inf: no term, no max)
+            tile_max = NEG_INF
+            for u in range(WORDS):
+                for j in range(per_word):
+                    tile_max = max(tile_max, bits_to_float(value_bits(word[u], j)))
+            if tile_max > m:
+                if m > NEG_INF:
+                    s *= math.exp(m - tile_max)
+                m = tile_max
+            if m > NEG_INF:
+                for u in range(WORDS):
+                    for j in range(per_word):
+                        s += math.exp(bits_to_float(value_bits(word[u], j)) - m)
+            # the filter: keys >= max(own floor, the block's)
+            cut = _cut_of(max(floor, floor_b[0]))
+            any_pass = False
+            for u in range(WORDS):
+                valid = tile + u * 32 + lane < whi
+                for j in range(per_word):
+                    any_pass |= valid and bits_to_float(value_bits(word[u], j)) >= cut
+            if cuda.ballot_sync(FULL_MASK, any_pass) == 0:
+                continue                    # (uniform: the whole warp skips)
+            # append the passing logits, one value position q (word q // per_word of the
+            # lane, logit q % per_word of it) at a time. A loop the compiler keeps rolled:
+            # one copy of the compaction, and the word read again (an L1 hit) rather than
+            # indexing `word` at run time, which would put it in local memory.
+            for q in range(WORDS * per_word):
+                i = tile + (q // per_word) * 32 + lane
+                valid = i < whi
+                x_bits = value_bits(words[i] if valid else neg_inf_word, q % per_word)
+                take = valid and bits_to_float(x_bits) >= cut
+                mask = cuda.ballot_sync(FULL_MASK, take)
+                if n + cuda.popc(mask) > WARP_CAP:
+                    n, floor = _compact(buf, base, n, floor, kk, hist, hbase, lane,
+                                        lanes_below)
+                    cuda.atomic.max(floor_b, 0, floor)  # share it (any warp's is valid)
+                    cut = _cut_of(max(floor, floor_b[0]))
+                    take = valid and bits_to_float(x_bits) >= cut
+                    mask = cuda.ballot_sync(FULL_MASK, take)
+                    if n + cuda.popc(mask) > WARP_CAP:  # ties at the floor fill the set
+                        overflow = True
+                        break
+                if take:
+                    v = i * per_word + q % per_word     # the logit's id in the row
+                    buf[base + n + cuda.popc(mask & lanes_below)] = (
+                        (uint64(orderable_key(x_bits)) << uint64(32)) | uint64(0xFFFFFFFF - v))
+                n += cuda.popc(mask)
+            if overflow:
+                break                       # the block falls back below
+        if lane == 0:
+            counts[warp] = n
+            if overflow:
+                counts[WARPS] = 1
+        # the block's log-sum-exp terms (both reductions end with a barrier: counts,
+        # the overflow flag and floor_b are visible after them)
+        big = block_max(red_f, m, tid, T)
+        total = block_sum(red_f, s * math.exp(m - big) if m > NEG_INF else float32(0.0),
+                          tid, T)
+        cut_key = floor_b[0]
+
+        # exact radix select of the kk-th largest held key >= cut_key (three levels)
+        need = kk
+        prefix = uint32(0)
+        key_mask = uint32(0)
+        ties = 0
+        if counts[WARPS] == 0:
+            for level in range(3):
+                shift = uint32(LEVEL_SHIFT[level])
+                digit_mask = uint32(LEVEL_MASK[level])
+                for d in range(tid, BINS, T):
+                    hist[d] = 0
+                cuda.syncthreads()          # cleared before the atomics
+                for i in range(tid, WARPS * WARP_CAP, T):
+                    if i % WARP_CAP < counts[i // WARP_CAP]:
+                        key = _key_of(buf[i])
+                        if key >= cut_key and (key & key_mask) == prefix:
+                            cuda.atomic.add(hist, int32((key >> shift) & digit_mask), 1)
+                cuda.syncthreads()          # histogram complete
+                _find_threshold_digit(hist, int32(digit_mask) + 1, need, scratch, result,
+                                      tid, T)
+                need -= result[1]
+                prefix |= uint32(result[0]) << shift
+                key_mask |= digit_mask << shift
+                ties = result[2]
+                cuda.syncthreads()          # everyone read result before it is reused
+                if kk - need + ties <= TOP_CAP:
+                    break
+        if counts[WARPS] != 0 or kk - need + ties > TOP_CAP:
+            # a warp overflowed, or too many ties at the kk-th key: the two-pass select on
+            # the slice (reads it again), its best kk copied to top
+            big, total, _ = select_top(bits, wlo * per_word, whi * per_word, k, tid, T, buf,
+                                       hist, scratch, result, red_u, red_f, n_cand)
+            for r in range(tid, kk, T):
+                top[r] = buf[r]
+            cuda.syncthreads()              # top in place
+            return big, total, kk
+
+        # gather the held keys >= the threshold bin's lower edge, and sort them
+        if tid == 0:
+            n_cand[0] = 0
+        cuda.syncthreads()                  # counter reset before the atomics
+        for i in range(tid, WARPS * WARP_CAP, T):
+            if i % WARP_CAP < counts[i // WARP_CAP]:
+                packed = buf[i]
+                key = _key_of(packed)
+                if key >= cut_key and (key & key_mask) >= prefix:
+                    top[cuda.atomic.add(n_cand, 0, 1)] = packed
+        cuda.syncthreads()                  # all gathered
+        n_top = n_cand[0]
+        n2 = 1
+        while n2 < n_top:
+            n2 *= 2
+        for i in range(n_top + tid, n2, T):     # pad to a power of two with the smallest key
+            top[i] = uint64(0)
+        cuda.syncthreads()                  # padding in place before sorting
+        bitonic_sort_desc(top, n2, tid, T)
+        return big, total, kk
+
+    @cuda.jit(device=True, inline=True)
+    def shared_state():
+        """The kernel's shared arrays, one a line (the simulator tells them apart by line):
+        ``(buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, floor_b)``,
+        47 KiB on a GPU."""
+        buf = cuda.shared.array(SORT_CAP, uint64)       # held sets; the fallback's candidates
+        top = cuda.shared.array(TOP_CAP, uint64)        # the final candidates
+        hist = cuda.shared.array(BINS, int32)           # compactions' bins; the final select
+        scratch = cuda.shared.array(SCAN_SCRATCH, int32)
+        result = cuda.shared.array(3, int32)
+        red_u = cuda.shared.array(FILTER_THREADS, uint32)
+        red_f = cuda.shared.array(FILTER_THREADS, float32)
+        n_cand = cuda.shared.array(1, int32)
+        counts = cuda.shared.array(COUNTS, int32)       # held per warp; [WARPS]: overflow
+        floor_b = cuda.shared.array(1, uint32)
+        return buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, floor_b
+
+    @cuda.jit
+    def whole_row_kernel(words, bits, k, top_log_probs, top_token_ids):
+        """Grid ``(rows,)``, block ``(FILTER_THREADS,)``: row ``words[row]`` -> K outputs."""
+        row_id = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, floor_b = shared_state()
+        m, total, _ = filter_select(words[row_id], bits[row_id], 0, words.shape[1], k, tid,
+                                    buf, top, hist, scratch, result, red_u, red_f, n_cand,
+                                    counts, floor_b)
+        lse = m + math.log(total) if m > NEG_INF else NEG_INF
+        _write_top(top, k, lse, row_id, tid, FILTER_THREADS, top_log_probs, top_token_ids)
+
+    @cuda.jit
+    def part_kernel(words, bits, k, chunk, part_keys, part_max, part_sum):
+        """Grid ``(rows, parts)``: block ``(row, p)`` selects in ``words[row, p * chunk:(p +
+        1) * chunk]`` and writes what the two-pass part kernel writes (the merge is shared)."""
+        row_id = cuda.blockIdx.x
+        p = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        n_words = words.shape[1]
+        lo = min(p * chunk, n_words)
+        hi = min(lo + chunk, n_words)
+        if lo == hi:                        # an empty slice (the whole block returns here)
+            for r in range(tid, k, FILTER_THREADS):
+                part_keys[row_id, p, r] = uint64(0)
+            if tid == 0:
+                part_max[row_id, p] = NEG_INF
+                part_sum[row_id, p] = float32(0.0)
+            return
+        buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, floor_b = shared_state()
+        m, total, kk = filter_select(words[row_id], bits[row_id], lo, hi, k, tid, buf, top,
+                                     hist, scratch, result, red_u, red_f, n_cand, counts,
+                                     floor_b)
+        for r in range(tid, k, FILTER_THREADS):
+            part_keys[row_id, p, r] = top[r] if r < kk else uint64(0)
+        if tid == 0:
+            part_max[row_id, p] = m
+            part_sum[row_id, p] = total
+
+    return whole_row_kernel, part_kernel
+
+
+#: ``filtered_kernels(bf16)``: the two kernels for float32 or bfloat16 logits, made once.
+filtered_kernels = functools.cache(_make_filtered_kernels)
