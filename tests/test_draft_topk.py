@@ -31,14 +31,16 @@ def test_reference_all_neg_inf_row_and_fewer_finite_than_k():
     assert lp[0, 1].tolist() == [0.0, -np.inf, -np.inf]
 
 
-def error_bound(x_row, lp_ref, V, threads, parts=1, rescale=0.0):
+def error_bound(x_row, lp_ref, V, threads, parts=1, rescale=0.0, tile=0):
     """|kernel - reference| bound: float32 sum-exp error (``parts`` slices of ``V / parts``
-    terms, each term's rounding plus, for the one-pass kernel, about three roundings a
-    rescale, at most ``rescale`` of them a term; then about three roundings per slice to
-    combine them) + rounding of lse and of x - lse."""
+    terms, each term's rounding plus, for the one-pass kernel, up to ``tile`` more terms a
+    thread (tiles are dealt whole) and about three roundings a rescale, at most ``rescale``
+    of them a term; then about three roundings per slice to combine them) + rounding of lse
+    and of x - lse."""
     finite = np.isfinite(lp_ref)
     lse = np.float64(x_row.max()) + np.log(np.exp(x_row.astype(np.float64) - x_row.max()).sum())
-    sum_error = (V / (parts * threads) * (1 + 3 * rescale) + 16 + 3 * (parts - 1)) * EPS32
+    terms = (V / (parts * threads) + tile) * (1 + 3 * rescale)
+    sum_error = (terms + 16 + 3 * (parts - 1)) * EPS32
     return sum_error + EPS32 * abs(lse) + EPS32 * np.abs(lp_ref), finite
 
 
@@ -58,12 +60,13 @@ def check_kernel(x, k, parts=None, variant=None):
     threads = FILTER_THREADS if filtered else TOPK_THREADS
     # a rescale at most once a tile: 2 * WORDS logits a lane (float32), 4 * WORDS (bfloat16)
     rescale = 1 / (2 * WORDS) if filtered else 0.0
+    tile = 4 * WORDS if filtered else 0
     for b in range(x.shape[0]):
         for d in range(x.shape[1]):
             if np.isneginf(x32[b, d]).all():
                 continue
             bound, finite = error_bound(x32[b, d], want_lp[b, d], x.shape[2], threads,
-                                        parts, rescale)
+                                        parts, rescale, tile)
             err = np.abs(lp[b, d][finite] - want_lp[b, d][finite])
             assert (err <= bound[finite]).all(), (b, d, err.max())
 
@@ -185,6 +188,22 @@ def test_filtered_kernel_on_emulated_warp_intrinsics(monkeypatch, case):
         check_kernel(x, k, parts, variant="filtered")
 
 
+@pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated warp intrinsics")
+def test_filtered_kernel_writes_real_ids_for_unchecked_nan(monkeypatch):
+    """NaN is outside the contract, but an unchecked call must still write ids of the row:
+    the filter holds NaNs rather than dropping them, so a row of mostly NaN still has kk held
+    candidates (here 500 of 512 logits NaN, k = 40)."""
+    from simulated_warp import emulated_shuffles, take_gpu_variant
+
+    take_gpu_variant(monkeypatch, "ddtree_numba.kernels.draft_topk")
+    x = np.random.default_rng(8).standard_normal((1, 1, 512)).astype(np.float32)
+    x[0, 0, :500] = np.nan
+    with emulated_shuffles():
+        _, ids = K.draft_topk(x, 40, check=False, variant="filtered")
+    ids = ids.copy_to_host()[0, 0]
+    assert ((0 <= ids) & (ids < 512)).all() and len(set(ids.tolist())) == 40
+
+
 def test_filtered_variant_refuses_what_it_cannot_take(monkeypatch):
     from simulated_warp import take_gpu_variant
 
@@ -192,7 +211,9 @@ def test_filtered_variant_refuses_what_it_cannot_take(monkeypatch):
     x = np.zeros((1, 2, 97), np.float32)                # odd V: not whole 8-byte words
     with pytest.raises(ValueError, match="variant: 'filtered'.*V=97"):
         K.draft_topk(x, 4, variant="filtered")
-    with pytest.raises(ValueError, match="variant: 'filtered'.*k=300"):
+    from ddtree_numba.kernels.draft_topk_filtered import FILTER_MAX_K
+
+    with pytest.raises(ValueError, match=f"variant: 'filtered' takes k <= {FILTER_MAX_K}.*k=300"):
         K.draft_topk(np.zeros((1, 1, 1024), np.float32), 300, variant="filtered")
 
 

@@ -466,7 +466,6 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, var
                                            (np.float32, ("rows", "parts")),
                                            (np.float32, ("rows", "parts")))):
             require_array(f"scratch[{i}]", scratch[i], (dtype,), dims, sizes)
-    asked = variant
     variant = resolve_variant(variant or "two_pass", readable="two_pass", fast="filtered")
     is_bf16 = storage_kind(logits) == "bfloat16"
     if SIMULATOR and is_bf16:               # the simulator has no bf16: widen exactly on host
@@ -476,11 +475,11 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, var
     bits = x.reshape(rows, sz.V)
     bits = bits.view(np.uint16) if is_bf16 else bits.view(np.uint32)
     if variant == "filtered" and not filtered_applies(bits, sz.k):
-        if asked == "filtered":
-            raise ValueError(f"variant: 'filtered' takes k <= 256 and rows of whole 8-byte "
-                             f"words (V a multiple of {8 // bits.dtype.itemsize}, aligned); "
-                             f"got k={sz.k}, V={sz.V}")
-        variant = "two_pass"
+        from .draft_topk_filtered import FILTER_MAX_K
+
+        raise ValueError(f"variant: 'filtered' takes k <= {FILTER_MAX_K} and rows of whole "
+                         f"8-byte words (V a multiple of {8 // bits.dtype.itemsize}, aligned); "
+                         f"got k={sz.k}, V={sz.V}")
     if out is None:
         top_lp = device_empty((sz.bs, sz.L, sz.k), np.float32)
         top_ids = device_empty((sz.bs, sz.L, sz.k), np.int32)

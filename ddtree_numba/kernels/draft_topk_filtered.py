@@ -31,7 +31,10 @@ any is used: ``WORDS`` 8-byte loads in flight per lane, each a 256-byte coalesce
 the warp). If no lane holds a logit at or above the filter (``ballot``: the common case once
 the floor is up) the tile costs its loads, its max and its ``exp``. Otherwise each value
 position is appended by a warp-aggregated write: a ``ballot`` of who passes, each passing lane
-writing at ``n + popc(ballot & lanes_below)``.
+writing at ``n + popc(ballot & lanes_below)``. The filter is ``not (x < cut)``: a NaN (outside
+the contract, but a device array is not checked by default) is held, never dropped, so the
+held set always contains the slice's best ``kk`` by key and every id written is a real one.
+``floor_b`` is read without a fence: a stale value is a lower floor, still valid.
 
 **Compaction** (one warp, when an append would pass ``WARP_CAP``): find a key ``t`` with at
 least ``k`` held keys ``>= t``, as high as cheaply possible, and drop the held keys below it.
@@ -44,21 +47,24 @@ If ties at one exact key keep the warp full even so, the block falls back (below
 **The end.** After a block barrier: the block's ``max`` and sum of ``exp`` (a block max of
 ``m``, each ``s`` rescaled to it, a block sum); an exact radix select (11 + 11 + 10 bits, the
 two-pass kernel's histogram and threshold search) over the held keys ``>= floor_b`` for the
-``kk``-th largest key; the held logits at or above it (``kk - 1`` plus its ties, at most
-``TOP_CAP``) gathered into ``top`` and sorted (bitonic, descending packed keys). Where a warp
-overflowed, or the ties at the ``kk``-th key do not fit ``TOP_CAP`` (rows of many equal
-logits, e.g. all ``-inf``), the block runs the two-pass select on its slice instead (a second
-read of the slice, exact, with its ordered-ties path): correctness never depends on the data.
+``kk``-th largest key; the held logits at or above the bin of that key (those above it and
+all in it, at most ``TOP_CAP``) gathered into ``top`` and sorted (bitonic, descending packed
+keys). Where a warp overflowed, or the ties at the ``kk``-th key do not fit ``TOP_CAP``
+(rows of many equal logits, e.g. all ``-inf``), the block runs the two-pass select on its
+slice instead (a second read of the slice, exact, with its ordered-ties path): correctness
+never depends on the data.
 
 Rows must be whole words (``V`` a multiple of 2 for float32, of 4 for bfloat16, 8-byte
-aligned); ``k <= FILTER_MAX_K`` (a warp's held set must have room above ``k``). The launcher
-takes the two-pass kernel otherwise.
+aligned) and ``k <= FILTER_MAX_K`` (a warp's held set must have room above ``k``); the
+launcher refuses the variant otherwise. Rows of many equal logits (e.g. ``-inf`` padding) take
+the fallback: a floor is a key, and ties at it are kept.
 
-Precision: each thread sums ``V / (parts * FILTER_THREADS)`` terms; a rescale (at most one a
-tile, ``2 * WORDS`` or ``4 * WORDS`` logits) adds about three roundings; combining the threads
-adds about ``log2(FILTER_THREADS) + 3``. ``tests/test_draft_topk.py`` checks that bound.
+Precision: tiles are dealt whole, so a lane sums at most ``V / (parts * FILTER_THREADS)`` terms
+plus one tile's share (``2 * WORDS`` float32 or ``4 * WORDS`` bfloat16 logits); a rescale (at
+most one a tile) adds about three roundings; combining the threads adds about
+``log2(FILTER_THREADS) + 3``. ``tests/test_draft_topk.py`` checks that bound.
 
-Warp intrinsics (``ballot_sync``, ``shfl_sync``, ``redux.sync``): a GPU variant; the simulator
+Warp intrinsics (``ballot_sync``, ``shfl_sync``, ``syncwarp``): a GPU variant; the simulator
 runs it only through the tests' emulated shuffles.
 """
 
@@ -135,6 +141,7 @@ def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
     ``buf[base : base + n]`` (every key ``>= floor``; ``n > need``) to the lower edge of the
     histogram bin that holds its ``need``-th largest key, drop the keys below, and return
     ``(new n, new floor)``."""
+    cuda.syncwarp()                         # the lanes' appends to buf visible to the warp
     top = uint32(0)
     for j in range(lane, n, 32):
         top = max(top, _key_of(buf[base + j]))
@@ -262,7 +269,7 @@ def _make_filtered_kernels(bf16: bool):
             for u in range(WORDS):
                 valid = tile + u * 32 + lane < whi
                 for j in range(per_word):
-                    any_pass |= valid and bits_to_float(value_bits(word[u], j)) >= cut
+                    any_pass |= valid and not bits_to_float(value_bits(word[u], j)) < cut
             if cuda.ballot_sync(FULL_MASK, any_pass) == 0:
                 continue                    # (uniform: the whole warp skips)
             # append the passing logits, one value position q (word q // per_word of the
@@ -273,14 +280,14 @@ def _make_filtered_kernels(bf16: bool):
                 i = tile + (q // per_word) * 32 + lane
                 valid = i < whi
                 x_bits = value_bits(words[i] if valid else neg_inf_word, q % per_word)
-                take = valid and bits_to_float(x_bits) >= cut
+                take = valid and not bits_to_float(x_bits) < cut
                 mask = cuda.ballot_sync(FULL_MASK, take)
                 if n + cuda.popc(mask) > WARP_CAP:
                     n, floor = _compact(buf, base, n, floor, kk, hist, hbase, lane,
                                         lanes_below)
                     cuda.atomic.max(floor_b, 0, floor)  # share it (any warp's is valid)
                     cut = _cut_of(max(floor, floor_b[0]))
-                    take = valid and bits_to_float(x_bits) >= cut
+                    take = valid and not bits_to_float(x_bits) < cut
                     mask = cuda.ballot_sync(FULL_MASK, take)
                     if n + cuda.popc(mask) > WARP_CAP:  # ties at the floor fill the set
                         overflow = True
