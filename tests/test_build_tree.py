@@ -195,9 +195,9 @@ def kernel_variants():
     return ["scan", "levels"] if K.SIMULATOR else ["scan", "warp", "levels"]
 
 
-# 120 seeded inputs on a GPU; 40 on the simulator, where each takes some 5 s of a CI core
+# 120 seeded inputs on a GPU; 20 on the simulator, where each takes some 5 s of a CI core
 # (every third with ties, every fifth with -inf, as on the GPU)
-RANDOM_SEEDS = range(40) if K.SIMULATOR else range(120)
+RANDOM_SEEDS = range(20) if K.SIMULATOR else range(120)
 
 
 @pytest.mark.parametrize("seed", RANDOM_SEEDS)

@@ -95,7 +95,8 @@ def test_kernel_matches_reference(case):
 
 
 @pytest.mark.parametrize("case", ["random", "ties", "neg_inf", "bf16", "k_equals_v"])
-@pytest.mark.parametrize("parts", [2, 5, 8])
+# (5 parts only on a GPU: on the simulator each case takes some 6 s of a CI core)
+@pytest.mark.parametrize("parts", [2, 8] if K.SIMULATOR else [2, 5, 8])
 def test_split_rows_equal_the_reference(case, parts):
     """Rows split over several blocks and merged: ids exact, log-probs within the bound;
     slices shorter than k and an empty last slice (V = 96 in 5 parts: 20 x 4 + 16; in 8:

@@ -157,7 +157,7 @@ def _make_select_top(bf16: bool):
         """Phases 1-4a on the logits ``row[lo:hi]`` (all threads call it): afterwards
         ``cand[0:kk]`` holds the ``kk = min(k, hi - lo)`` best packed candidates, best first.
         Returns ``(m, s, kk)``: the slice's max logit and sum of ``exp(x - m)``. The shared
-        arrays come from the kernel (``SelectShared``: one set a kernel, whoever uses it)."""
+        arrays come from the kernel (``select_shared``: one set a kernel)."""
         buf = cuda.local.array(UNROLL, uint32)  # UNROLL loads in flight per thread
         kk = min(k, hi - lo)
 
