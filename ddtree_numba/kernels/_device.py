@@ -79,14 +79,17 @@ def sm_count() -> int:
     return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
-def kernel_for_block(threads: int):
+def kernel_for_block(threads: int, blocks_per_sm: int = 1):
     """``@cuda.jit`` of a kernel always launched with ``threads`` threads a block, compiled so
-    that such a block fits (``launch_bounds``: at most ``65536 / threads`` registers a thread,
-    where ptxas would otherwise take more and the launch would fail). The simulator has no
-    registers and no such option: plain ``@cuda.jit`` there."""
+    that ``blocks_per_sm`` such blocks fit an SM (``launch_bounds``: at most ``65536 /
+    (threads * blocks_per_sm)`` registers a thread, where ptxas would otherwise take more and
+    the launch would fail, or fewer blocks would run at once). The simulator has no registers
+    and no such option: plain ``@cuda.jit`` there."""
     if SIMULATOR:
         return cuda.jit
-    return cuda.jit(launch_bounds=threads)
+    if blocks_per_sm == 1:
+        return cuda.jit(launch_bounds=threads)
+    return cuda.jit(launch_bounds=(threads, blocks_per_sm))
 
 
 def as_device(a, *, bf16_as_bits: bool = True):

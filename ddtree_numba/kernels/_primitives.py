@@ -45,7 +45,9 @@ elsewhere. On the simulator every step goes through shared memory and ends with 
 keeps element ``i`` in a register: steps of stride below 32 pair two lanes of one warp (a
 shuffle, no barrier), and only the wider ones go through shared memory, two barriers each
 (at ``n = 256`` six steps of stride 32 or more: 12 barriers, and one at the end, against
-36). Longer sorts take the shared-memory network.
+36). Longer sorts take the shared-memory network. ``sort_desc_any(keys, n, tid, T)`` takes any
+``n``: it fills ``keys[n:]`` up to the next power of two with key 0, the smallest uint64 (the
+caller's buffer must hold that many), then sorts; the padding sinks to the end.
 
 *Unfused products.* On a GPU, NVVM fuses a multiply whose result feeds an add into one
 fused multiply-add, rounded once, where numpy rounds the product and then the sum. Where a
@@ -330,3 +332,17 @@ def _bitonic_sort_gpu(keys, n, tid, T):
 # Sort ``keys[0:n]`` (uint64, shared memory, ``n`` a power of two) descending in place; every
 # thread of the block calls it. The simulator has no shuffles: the shared-memory network there.
 bitonic_sort_desc = _bitonic_sort_in_shared if SIMULATOR else _bitonic_sort_gpu
+
+
+@cuda.jit(device=True, inline=True)
+def sort_desc_any(keys, n, tid, T):
+    """Sort ``keys[0:n]`` descending for any ``n``: pad to the next power of two ``n2`` with
+    key 0 (``keys`` must hold ``n2``), then :data:`bitonic_sort_desc`. Every thread of the
+    block calls it, after a barrier that put ``keys[0:n]`` in place."""
+    n2 = 1
+    while n2 < n:
+        n2 *= 2
+    for i in range(n + tid, n2, T):         # thread tid pads slots n + tid, n + tid + T, ...
+        keys[i] = uint64(0)
+    cuda.syncthreads()                      # padding in place before sorting
+    bitonic_sort_desc(keys, n2, tid, T)

@@ -4,7 +4,8 @@ One block per ``[b, d, :]`` row of ``V`` logits (``rows = bs * L``), or, when th
 few to fill the GPU, ``parts`` blocks per row and a merge (below). The selection never sorts
 the vocabulary: it finds the K-th largest key by **radix select** on the float bits, then sorts
 only the few survivors. (``draft_topk_filtered`` is a one-pass variant for ``K <= 256``,
-``variant="filtered"``: each logit read once and, mostly, only compared with a running floor.)
+``variant="filtered"``: each logit read once and, mostly, only compared with a running floor;
+the default on a GPU where it was measured faster, see :func:`filtered_pays`.)
 
 *Orderable keys* (``_primitives.orderable_key``) map float32 bits to uint32 so that unsigned
 order = float order, with ``-0.0 == +0.0`` as in the reference. The rank order is "key
@@ -80,6 +81,7 @@ from ._primitives import (
     block_sum,
     float_of_key,
     orderable_key,
+    sort_desc_any,
 )
 
 TOPK_THREADS = 32 if SIMULATOR else 512   # a power of two, at most MAX_THREADS
@@ -249,14 +251,7 @@ def _make_select_top(bf16: bool):
         cuda.syncthreads()                  # all candidates written
 
         # 4a. sort the candidates descending
-        n = n_cand[0]
-        n2 = 1
-        while n2 < n:
-            n2 *= 2
-        for i in range(n + tid, n2, T):     # pad to a power of two with the smallest key
-            cand[i] = uint64(0)
-        cuda.syncthreads()                  # padding in place before sorting
-        bitonic_sort_desc(cand, n2, tid, T)
+        sort_desc_any(cand, n_cand[0], tid, T)
         return m, total, kk
 
     return load_bits, select_top
@@ -412,6 +407,20 @@ def filtered_applies(logits_bits, k: int) -> bool:
             and data_address(logits_bits) % 8 == 0)
 
 
+#: The one-pass kernel is the default where a row has at least this many logits per kept one.
+#: H200, bench_small_kernels.py (L 15): with whole rows (parts 1) it beat the two-pass kernel
+#: at V / k = 640, 2 000 and 10 240 (bs 8 and 64, float32 and bfloat16: 1.1-1.9x) and lost at
+#: V / k = 125 (V 32 000, k 256: 306 against 198 us at bs 64): a warp's held set fills and
+#: compacts too often while its floor is still low. With split rows (bs 1) it lost everywhere.
+FILTER_MIN_V_PER_K = 512
+
+
+def filtered_pays(parts: int, V: int, k: int) -> bool:
+    """Whether the default takes the one-pass kernel (where it applies): whole rows a block
+    (``parts == 1``) and ``V >= FILTER_MIN_V_PER_K * k``."""
+    return parts == 1 and V >= FILTER_MIN_V_PER_K * k
+
+
 def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, variant=None):
     """Per-depth log-softmax top-K of the drafter's logits on the GPU (one or two launches,
     no sync).
@@ -434,11 +443,11 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, var
         :func:`allocate_topk_scratch` buffers for those ``parts`` (allocated here if None;
         when ``parts`` is omitted, their shape sets it).
     variant : str, optional
-        ``"two_pass"`` (the default, everywhere) or ``"filtered"`` (one pass over the logits:
-        ``draft_topk_filtered``; a GPU with warp intrinsics, ``k <= 256`` and rows of whole
-        8-byte words: :func:`~ddtree_numba.kernels.draft_topk.filtered_applies`). The
-        one-pass kernel is asked for by name until a benchmark run has measured it against
-        the two-pass one (``benchmarks/NOTES.md``).
+        ``"two_pass"`` or ``"filtered"`` (one pass over the logits: ``draft_topk_filtered``;
+        a GPU with warp intrinsics, ``k <= 256`` and rows of whole 8-byte words:
+        :func:`~ddtree_numba.kernels.draft_topk.filtered_applies`). Default: ``"filtered"``
+        on a GPU where it applies and was measured faster (:func:`filtered_pays`: whole rows
+        a block and ``V >= 512 k``), else ``"two_pass"`` (always on the simulator).
 
     Returns
     -------
@@ -466,6 +475,7 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, var
                                            (np.float32, ("rows", "parts")),
                                            (np.float32, ("rows", "parts")))):
             require_array(f"scratch[{i}]", scratch[i], (dtype,), dims, sizes)
+    asked = variant
     variant = resolve_variant(variant or "two_pass", readable="two_pass", fast="filtered")
     is_bf16 = storage_kind(logits) == "bfloat16"
     if SIMULATOR and is_bf16:               # the simulator has no bf16: widen exactly on host
@@ -474,6 +484,9 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, var
     x = as_device(logits)
     bits = x.reshape(rows, sz.V)
     bits = bits.view(np.uint16) if is_bf16 else bits.view(np.uint32)
+    if asked is None and not SIMULATOR and filtered_pays(parts, sz.V, sz.k) and (
+            filtered_applies(bits, sz.k)):
+        variant = "filtered"
     if variant == "filtered" and not filtered_applies(bits, sz.k):
         from .draft_topk_filtered import FILTER_MAX_K
 

@@ -26,12 +26,17 @@ Who touches what, for a block of ``FILTER_THREADS`` threads (``WARPS`` warps) on
                  warp filters with max(own floor, floor_b)
 
 The loop: warp ``w`` takes tiles ``w, w + WARPS, ...`` of ``32 * WORDS`` words; lane ``l``
-loads words ``tile + u * 32 + l`` for ``u < WORDS`` (every load of the tile is issued before
-any is used: ``WORDS`` 8-byte loads in flight per lane, each a 256-byte coalesced row across
-the warp). If no lane holds a logit at or above the filter (``ballot``: the common case once
-the floor is up) the tile costs its loads, its max and its ``exp``. Otherwise each value
-position is appended by a warp-aggregated write: a ``ballot`` of who passes, each passing lane
-writing at ``n + popc(ballot & lanes_below)``. The filter is ``not (x < cut)``: a NaN (outside
+loads words ``tile + u * 32 + l`` for ``u < WORDS`` (a 256-byte coalesced row across the warp
+for each ``u``). The loads of a warp's next tile are issued before its current tile is used
+(``ahead``, then copied to ``word``): ``WORDS`` 8-byte loads stay in flight a lane while it
+computes, so DRAM latency overlaps the work. Each lane marks the logits at or above the filter
+in a bit mask ``passing``. If no lane has one (``ballot``: the common case once the floor is
+up) the tile costs its loads, its max and its ``exp``. Otherwise a warp scan of the lanes'
+counts places them: when all fit the held set, lane ``l`` writes its own at ``n +`` (those of
+the lanes below it), from registers (the *fast append*). When they would not fit, the tile is
+appended one value position at a time, a ``ballot`` of who passes and each passing lane
+writing at ``n + popc(ballot & lanes_below)``, compacting whenever the next position would not
+fit (the *slow append*: a few tiles a row). The filter is ``not (x < cut)``: a NaN (outside
 the contract, but a device array is not checked by default) is held, never dropped, so the
 held set always contains the slice's best ``kk`` by key and every id written is a real one.
 ``floor_b`` is read without a fence: a stale value is a lower floor, still valid.
@@ -62,7 +67,12 @@ the fallback: a floor is a key, and ties at it are kept.
 Precision: tiles are dealt whole, so a lane sums at most ``V / (parts * FILTER_THREADS)`` terms
 plus one tile's share (``2 * WORDS`` float32 or ``4 * WORDS`` bfloat16 logits); a rescale (at
 most one a tile) adds about three roundings; combining the threads adds about
-``log2(FILTER_THREADS) + 3``. ``tests/test_draft_topk.py`` checks that bound.
+``log2(FILTER_THREADS) + 3``. A term is ``exp2((x - m) log2 e)``: the hardware's ``ex2``
+(relative error about ``2**-22``) after one multiply, whose rounding makes a relative error of
+about ``|x - m| 2**-23`` in the term; weighted by the terms (the softmax) ``|x - m|`` averages at
+most ``ln V``, so the sum gains at most ``(2 + ln V) 2**-23`` relative error (about 14 units of
+float32 rounding at ``V = 163 840``, against ~640 from the summation). ``tests/test_draft_topk.py``
+checks that bound.
 
 Warp intrinsics (``ballot_sync``, ``shfl_sync``, ``syncwarp``): a GPU variant; the simulator
 runs it only through the tests' emulated shuffles.
@@ -75,16 +85,16 @@ import math
 
 from numba import cuda, float32, int32, int64, uint32, uint64
 
-from ._device import SIMULATOR
+from ._device import SIMULATOR, kernel_for_block
 from ._primitives import (
     FULL_MASK,
-    bitonic_sort_desc,
     bits_to_float,
     block_max,
     block_scan_scratch,
     block_sum,
     float_of_key,
     orderable_key,
+    sort_desc_any,
     warp_inclusive_scan,
 )
 from .draft_topk import (
@@ -104,7 +114,9 @@ WARP_CAP = 128 if SIMULATOR else 512        # candidates a warp holds
 FILTER_MAX_K = WARP_CAP // 2                # room above k for the appends between compactions
 TOP_CAP = 2 * FILTER_MAX_K                  # the final sort: kk - 1 + the ties at the kk-th key
 WORDS = 2 if SIMULATOR else 8               # 8-byte loads in flight per lane
+LOG2E = float32(1.4426950408889634)       # exp(x) = exp2(x log2 e)
 WARP_BINS = 256                             # a compaction's histogram, per warp
+BLOCKS_PER_SM = 2                           # blocks an SM runs at once: <= 128 registers
 COUNTS = WARPS + 1                          # held per warp, and the overflow flag
 SCAN_SCRATCH = block_scan_scratch(FILTER_THREADS)
 assert WARPS * WARP_CAP <= SORT_CAP and WARPS * WARP_BINS <= BINS
@@ -223,6 +235,19 @@ def _make_filtered_kernels(bf16: bool):
         return uint32((word >> uint64(32 * j)) & uint64(0xFFFFFFFF))
 
     @cuda.jit(device=True, inline=True)
+    def pass_mask(word, tile, lane, whi, cut):
+        """Bit ``u * per_word + j`` set where logit ``j`` of the lane's word ``u`` of the tile
+        exists and is not below ``cut`` (``not x < cut``: a NaN passes). At most 32 logits a
+        lane; the loops unroll, so ``word`` stays in registers."""
+        passing = uint32(0)
+        for u in range(WORDS):
+            valid = tile + u * 32 + lane < whi
+            for j in range(per_word):
+                if valid and not bits_to_float(value_bits(word[u], j)) < cut:
+                    passing |= uint32(1) << uint32(u * per_word + j)
+        return passing
+
+    @cuda.jit(device=True, inline=True)
     def filter_select(words, bits, wlo, whi, k, tid, buf, top, hist, scratch, result, red_u,
                       red_f, n_cand, counts, floor_b):
         """All threads call it; afterwards ``top[0:kk]`` holds the ``kk = min(k, logits)``
@@ -245,12 +270,26 @@ def _make_filtered_kernels(bf16: bool):
         n = 0                               # held by this warp (uniform across its lanes)
         floor = uint32(0)                   # every held key >= floor
         overflow = False
-        word = cuda.local.array(WORDS, uint64)
-        for tile in range(wlo + warp * 32 * WORDS, whi, WARPS * 32 * WORDS):
-            for u in range(WORDS):          # issue every load of the tile first
-                i = tile + u * 32 + lane
-                word[u] = words[i] if i < whi else neg_inf_word
-            # online log-sum-exp (a missing word reads as -inf: no term, no max)
+        word = cuda.local.array(WORDS, uint64)     # the tile being filtered
+        ahead = cuda.local.array(WORDS, uint64)    # the warp's next tile, in flight meanwhile
+        stride = WARPS * 32 * WORDS                 # words between a warp's tiles
+        # Loads index with uint64: numba adds a negative-index wrap to every signed index
+        lane64 = uint64(lane)
+        whi64 = uint64(whi)
+        tile = wlo + warp * 32 * WORDS
+        for u in range(WORDS):                      # the first tile's loads
+            i = uint64(tile + u * 32) + lane64
+            ahead[u] = words[i] if i < whi64 else neg_inf_word
+        while tile < whi:
+            for u in range(WORDS):
+                word[u] = ahead[u]
+            # issue the next tile's loads before using this one (a word past whi reads as
+            # -inf and is never loaded), so that DRAM latency overlaps the work below
+            for u in range(WORDS):
+                i = uint64(tile + stride + u * 32) + lane64
+                ahead[u] = words[i] if i < whi64 else neg_inf_word
+            # online log-sum-exp (a missing word reads as -inf: no term, no max); the terms
+            # as exp2((x - m) log2 e), one multiply and one MUFU.EX2 (see the precision note)
             tile_max = NEG_INF
             for u in range(WORDS):
                 for j in range(per_word):
@@ -262,20 +301,48 @@ def _make_filtered_kernels(bf16: bool):
             if m > NEG_INF:
                 for u in range(WORDS):
                     for j in range(per_word):
-                        s += math.exp(bits_to_float(value_bits(word[u], j)) - m)
+                        s += math.exp2((bits_to_float(value_bits(word[u], j)) - m) * LOG2E)
             # the filter: keys >= max(own floor, the block's)
             cut = _cut_of(max(floor, floor_b[0]))
-            any_pass = False
-            for u in range(WORDS):
-                valid = tile + u * 32 + lane < whi
-                for j in range(per_word):
-                    any_pass |= valid and not bits_to_float(value_bits(word[u], j)) < cut
-            if cuda.ballot_sync(FULL_MASK, any_pass) == 0:
-                continue                    # (uniform: the whole warp skips)
-            # append the passing logits, one value position q (word q // per_word of the
-            # lane, logit q % per_word of it) at a time. A loop the compiler keeps rolled:
-            # one copy of the compaction, and the word read again (an L1 hit) rather than
-            # indexing `word` at run time, which would put it in local memory.
+            passing = pass_mask(word, tile, lane, whi, cut)
+            mine = cuda.popc(passing)
+            if cuda.ballot_sync(FULL_MASK, mine > 0) == 0:
+                tile += stride              # (uniform: the whole warp skips)
+                continue
+            end = warp_inclusive_scan(int32(mine), lane)
+            arriving = cuda.shfl_sync(FULL_MASK, end, 31)
+            if n + arriving > WARP_CAP and n > kk:
+                # make room first: compact (raising the floor), then filter the tile again
+                n, floor = _compact(buf, base, n, floor, kk, hist, hbase, lane, lanes_below)
+                cuda.atomic.max(floor_b, 0, floor)  # share it (any warp's is valid)
+                cut = _cut_of(max(floor, floor_b[0]))
+                passing = pass_mask(word, tile, lane, whi, cut)
+                mine = cuda.popc(passing)
+                end = warp_inclusive_scan(int32(mine), lane)
+                arriving = cuda.shfl_sync(FULL_MASK, end, 31)
+            if n + arriving <= WARP_CAP:
+                # fast append: lane l writes its passing logits at n + (those of the lanes
+                # below l), lowest bit first; each one's word is read again (an L1 hit: it
+                # was just loaded), as indexing `word` at run time would use local memory
+                at = base + n + end - mine
+                left = passing
+                while left != 0:
+                    q = cuda.ffs(left) - 1          # the lowest passing position
+                    left &= left - uint32(1)
+                    j = q % per_word
+                    i = uint64(tile + (q // per_word) * 32) + lane64
+                    v = int64(i) * per_word + j     # the logit's id in the row
+                    buf[at] = ((uint64(orderable_key(value_bits(words[i], j))) << uint64(32))
+                               | uint64(0xFFFFFFFF - v))
+                    at += 1
+                n += arriving
+                tile += stride
+                continue
+            # slow append (the set would overflow): one value position q (word q // per_word
+            # of the lane, logit q % per_word of it) at a time, compacting when the next
+            # position would not fit. A loop the compiler keeps rolled: one copy of the
+            # compaction, and the word read again (an L1 hit) rather than indexing `word` at
+            # run time, which would put it in local memory.
             for q in range(WORDS * per_word):
                 i = tile + (q // per_word) * 32 + lane
                 valid = i < whi
@@ -299,6 +366,7 @@ def _make_filtered_kernels(bf16: bool):
                 n += cuda.popc(mask)
             if overflow:
                 break                       # the block falls back below
+            tile += stride
         if lane == 0:
             counts[warp] = n
             if overflow:
@@ -358,14 +426,7 @@ def _make_filtered_kernels(bf16: bool):
                 if key >= cut_key and (key & key_mask) >= prefix:
                     top[cuda.atomic.add(n_cand, 0, 1)] = packed
         cuda.syncthreads()                  # all gathered
-        n_top = n_cand[0]
-        n2 = 1
-        while n2 < n_top:
-            n2 *= 2
-        for i in range(n_top + tid, n2, T):     # pad to a power of two with the smallest key
-            top[i] = uint64(0)
-        cuda.syncthreads()                  # padding in place before sorting
-        bitonic_sort_desc(top, n2, tid, T)
+        sort_desc_any(top, n_cand[0], tid, T)
         return big, total, kk
 
     @cuda.jit(device=True, inline=True)
@@ -385,7 +446,7 @@ def _make_filtered_kernels(bf16: bool):
         floor_b = cuda.shared.array(1, uint32)
         return buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, floor_b
 
-    @cuda.jit
+    @kernel_for_block(FILTER_THREADS, BLOCKS_PER_SM)
     def whole_row_kernel(words, bits, k, top_log_probs, top_token_ids):
         """Grid ``(rows,)``, block ``(FILTER_THREADS,)``: row ``words[row]`` -> K outputs."""
         row_id = cuda.blockIdx.x
@@ -397,7 +458,7 @@ def _make_filtered_kernels(bf16: bool):
         lse = m + math.log(total) if m > NEG_INF else NEG_INF
         _write_top(top, k, lse, row_id, tid, FILTER_THREADS, top_log_probs, top_token_ids)
 
-    @cuda.jit
+    @kernel_for_block(FILTER_THREADS, BLOCKS_PER_SM)
     def part_kernel(words, bits, k, chunk, part_keys, part_max, part_sum):
         """Grid ``(rows, parts)``: block ``(row, p)`` selects in ``words[row, p * chunk:(p +
         1) * chunk]`` and writes what the two-pass part kernel writes (the merge is shared)."""
