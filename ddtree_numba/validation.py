@@ -405,12 +405,13 @@ def _check_tree_links(next_token, next_sibling, bs: int, N: int) -> None:
         if bad.any():
             raise ValueError(f"{name}: expected -1 or a node index in [1, N={N}), "
                              f"got {int(v[bad][0])} at index {_first_index(bad)}")
-    both = np.concatenate([host_values(next_token), host_values(next_sibling)], axis=1)
-    for b in range(bs):
-        targets = both[b][both[b] >= 0]
-        if np.unique(targets).size != targets.size:
-            raise ValueError(f"next_token/next_sibling: request {b} links to a node twice, "
-                             "so its lists are not a tree")
+    # no node the target of two links: sorted, a row's links >= 0 have no equal neighbours
+    both = np.sort(np.concatenate([host_values(next_token), host_values(next_sibling)],
+                                  axis=1), axis=1)
+    twice = ((both[:, 1:] == both[:, :-1]) & (both[:, 1:] >= 0)).any(axis=1)
+    if twice.any():
+        raise ValueError(f"next_token/next_sibling: request {int(np.argmax(twice))} links to "
+                         "a node twice, so its lists are not a tree")
 
 
 def check_tree_accept(token_ids, next_token, next_sibling, target_predict, *,
@@ -442,10 +443,11 @@ def _require_sampled_tree(token_ids, next_token, next_sibling, uniforms, bonus_u
 
 
 def _check_sampled_tree_values(token_ids, next_token, next_sibling, uniforms, bonus_uniforms,
-                               V: int) -> list:
+                               V: int) -> tuple:
     """The value checks of a tree to walk by sampling: a tree (as for ``tree_accept``),
     uniforms in ``[0, 1)``, token ids in ``[0, V)`` at the nodes the walk can reach and no token
-    twice among siblings. Returns, per request, the sorted nodes the walk can reach."""
+    twice among siblings. Returns ``(nodes_of_tree, tree_of)``: the sorted nodes the walk can
+    reach in each distinct tree of the batch (``int64`` arrays), and the tree of each request."""
     bs, N = array_info("token_ids", token_ids).shape
     _check_tree_links(next_token, next_sibling, bs, N)
     for name, u in (("uniforms", uniforms), ("bonus_uniforms", bonus_uniforms)):
@@ -456,8 +458,13 @@ def _check_sampled_tree_values(token_ids, next_token, next_sibling, uniforms, bo
                              f"at index {_first_index(bad)}")
     tokens, first = host_values(token_ids), host_values(next_token)
     sibling = host_values(next_sibling)
-    reachable = []
-    for b in range(bs):
+    # A batch often repeats a tree (the same lists and tokens): each distinct tree is walked
+    # once, in the order of its first request, so the first request that fails is reported.
+    trees, first_request, tree_of = np.unique(np.concatenate([tokens, first, sibling], axis=1),
+                                              axis=0, return_index=True, return_inverse=True)
+    nodes_of_tree = [None] * len(trees)
+    for t in np.argsort(first_request):
+        b = int(first_request[t])
         stack, nodes = [0], []
         while stack:                            # the nodes the walk can reach from the root
             i = stack.pop()
@@ -479,8 +486,12 @@ def _check_sampled_tree_values(token_ids, next_token, next_sibling, uniforms, bo
                                      f"differ")
                 seen.add(int(tokens[b, child]))
                 child = sibling[b, child]
-        reachable.append(sorted(nodes))
-    return reachable
+        nodes_of_tree[t] = np.array(sorted(nodes))
+    return nodes_of_tree, tree_of.reshape(-1)
+
+
+#: Elements of ``target_probs`` a vectorised value check reads at once (a bound on its copy).
+_CHECK_CHUNK = 1 << 22
 
 
 def check_tree_sample(token_ids, next_token, next_sibling, target_probs, uniforms,
@@ -498,12 +509,33 @@ def check_tree_sample(token_ids, next_token, next_sibling, target_probs, uniform
         raise ValueError("target_probs: expected a vocabulary of at least 1 token")
     if not _values_wanted(infos, check):        # one decision for all six arrays
         return AcceptSizes(sizes["bs"], sizes["N"])
-    reachable = _check_sampled_tree_values(token_ids, next_token, next_sibling, uniforms,
-                                           bonus_uniforms, sizes["V"])
+    nodes_of_tree, tree_of = _check_sampled_tree_values(token_ids, next_token, next_sibling,
+                                                        uniforms, bonus_uniforms, sizes["V"])
     probs = host_values(target_probs)
-    for b, nodes in enumerate(reachable):
-        rows = probs[b, : nodes[-1] + 1] if nodes == list(range(len(nodes))) else (
-            probs[b, nodes])                    # a view when the tree is nodes 0..n-1
+    # the rows the walk can read, checked for all requests of one tree at once (in chunks);
+    # the first request with a bad row is reported
+    V = sizes["V"]
+    first_bad = None
+    order = np.argsort(tree_of, kind="stable")
+    starts = np.searchsorted(tree_of[order], np.arange(len(nodes_of_tree) + 1))
+    for t, nodes in enumerate(nodes_of_tree):
+        requests = order[starts[t]:starts[t + 1]]
+        step = max(1, _CHECK_CHUNK // (len(nodes) * V))
+        for c in range(0, len(requests), step):
+            chunk = requests[c:c + step]
+            if len(chunk) == 1 and nodes[-1] == len(nodes) - 1:    # a view: nodes 0..n-1
+                rows = probs[chunk[0]:chunk[0] + 1, :len(nodes)]
+            else:
+                rows = probs[chunk[:, None], nodes[None, :]]    # [requests, nodes, V]
+            bad = ~(rows.min(-1) >= 0) | (np.abs(rows.sum(-1, dtype=np.float64) - 1)
+                                          > PROB_SUM_TOL)
+            if bad.any():
+                b = int(chunk[bad.any(axis=1)].min())
+                first_bad = b if first_bad is None else min(first_bad, b)
+                break                           # (requests ascend within a tree)
+    if first_bad is not None:
+        b, nodes = first_bad, nodes_of_tree[tree_of[first_bad]]
+        rows = probs[b][nodes]
         lowest = rows.min(-1)
         if not (lowest >= 0).all():             # negative or NaN
             node = int(np.argmax(~(lowest >= 0)))
@@ -511,12 +543,10 @@ def check_tree_sample(token_ids, next_token, next_sibling, target_probs, uniform
             raise ValueError(f"target_probs: expected probabilities (>= 0, not NaN), got "
                              f"{float(rows[node, tok])} at index ({b}, {nodes[node]}, {tok})")
         sums = rows.sum(-1, dtype=np.float64)
-        off = np.abs(sums - 1) > PROB_SUM_TOL
-        if off.any():
-            node = int(np.argmax(off))
-            raise ValueError(f"target_probs: expected each tree node's row to sum to 1 "
-                             f"(within {PROB_SUM_TOL}), got {sums[node]:.6g} at node "
-                             f"({b}, {nodes[node]})")
+        node = int(np.argmax(np.abs(sums - 1) > PROB_SUM_TOL))
+        raise ValueError(f"target_probs: expected each tree node's row to sum to 1 "
+                         f"(within {PROB_SUM_TOL}), got {sums[node]:.6g} at node "
+                         f"({b}, {nodes[node]})")
     return AcceptSizes(sizes["bs"], sizes["N"])
 
 

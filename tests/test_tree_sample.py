@@ -218,6 +218,27 @@ def test_repeated_sibling_tokens_are_refused():
                         np.zeros(1, np.float32))
 
 
+def test_a_batch_of_repeated_trees_names_the_first_bad_request():
+    """Validation walks each distinct tree once (a batch often repeats one); the error still
+    names the first request that fails, whichever of its trees it is."""
+    tree = ref.tree_from_parents(np.tile(PARENTS, (6, 1)), np.tile(TOKENS, (6, 1)))
+    uniforms, bonus = np.full((6, 5), 0.5, np.float32), np.full(6, 0.5, np.float32)
+    probs = np.tile(hand_probs(), (6, 1, 1))
+    probs[4, 2, 1], probs[3, 1, 0] = np.nan, 0.7                # request 3 fails first
+    with pytest.raises(ValueError, match=r"sum to 1 .* at node \(3, 1\)"):
+        ref.tree_sample(tree.token_ids, tree.next_token, tree.next_sibling, probs, uniforms,
+                        bonus)
+    probs[3, 1, 0] = hand_probs()[0, 1, 0]
+    with pytest.raises(ValueError, match=r"got nan at index \(4, 2, 1\)"):
+        ref.tree_sample(tree.token_ids, tree.next_token, tree.next_sibling, probs, uniforms,
+                        bonus)
+    tokens = tree.token_ids.copy()
+    tokens[[2, 5], 2] = tokens[2, 1]                        # two bad requests of one new tree
+    with pytest.raises(ValueError, match=r"children of node \(2, 0\) repeat"):
+        ref.tree_sample(tokens, tree.next_token, tree.next_sibling, np.tile(hand_probs(),
+                        (6, 1, 1)), uniforms, bonus)
+
+
 def test_device_lists_with_host_probabilities_are_not_walked_unchecked():
     """Default checks run only when every input is on the host: with the lists on the device
     nothing walks them on the host (a cycle there must not hang validation)."""
