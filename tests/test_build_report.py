@@ -35,6 +35,11 @@ def run_real_target(args, code=None):
                           timeout=REPORT_TIMEOUT_S)
 
 
+# The tests that read the report run on one pytest-xdist worker (``--dist loadgroup`` in
+# pyproject.toml), so that the module fixture compiles every kernel once, not once a worker.
+ONE_WORKER = pytest.mark.xdist_group("build_report")
+
+
 @pytest.fixture(scope="module")
 def report_rows():
     done = run_real_target(["build-report", *(f"--cc={cc}" for cc in TARGETS), "--json",
@@ -50,6 +55,7 @@ def report_rows():
     return rows
 
 
+@ONE_WORKER
 def test_every_kernel_compiles_for_sm120(report_rows):
     assert {row["cc"] for row in report_rows} == set(TARGETS)
     stages = {row["stage"] for row in report_rows}
@@ -83,6 +89,7 @@ def test_a_kernel_linked_twice_reports_the_same_figures():
     assert second == first
 
 
+@ONE_WORKER
 def test_tensor_core_kernels_link_their_wrappers_away(report_rows):
     """The mma variant links tensor_core.cu by LTO: its SASS holds the products (HMMA) and the
     shared-matrix loads (LDSM), no local memory, and no CALL but into the CUDA math runtime

@@ -65,9 +65,9 @@ def check_kernel(x, k, parts=None, variant=None):
     x32 = np.asarray(x).astype(np.float32)
     filtered = variant == "filtered"
     threads = FILTER_THREADS if filtered else TOPK_THREADS
-    # a rescale at most once a tile: 2 * WORDS logits a lane (float32), 4 * WORDS (bfloat16)
+    # a rescale at most once a tile: 2 * WORDS logits a lane (float32 and bfloat16)
     rescale = 1 / (2 * WORDS) if filtered else 0.0
-    tile = 4 * WORDS if filtered else 0
+    tile = 2 * WORDS if filtered else 0
     for b in range(x.shape[0]):
         for d in range(x.shape[1]):
             if np.isneginf(x32[b, d]).all():
@@ -194,6 +194,33 @@ def test_filtered_kernel_on_emulated_warp_intrinsics(monkeypatch, case):
     x, k, parts = filtered_case(case, np.random.default_rng(zlib.crc32(case.encode())))
     with emulated_shuffles():
         check_kernel(x, k, parts, variant="filtered")
+
+
+@pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated warp intrinsics")
+def test_filtered_bfloat16_kernel_on_emulated_warp_intrinsics():
+    """The bfloat16 one-pass kernel itself (``draft_topk`` widens bfloat16 to float32 on the
+    simulator, so it is launched here by hand on the bits): four logits a word, half the loads
+    a tile, bfloat16's many ties; ids exact, log-probs within the bound."""
+    from simulated_warp import emulated_shuffles
+
+    from ddtree_numba.kernels.draft_topk_filtered import FILTER_THREADS, WORDS, filtered_kernels
+
+    rng = np.random.default_rng(16)
+    x = (rng.standard_normal((2, 1, 1024)) * 3).astype(bfloat16)
+    x[1, 0, ::5] = x[1, 0, 7]                           # a run of equal keys in row 1
+    k = 40
+    bits = x.reshape(2, 1024).view(np.uint16)
+    lp, ids = np.zeros((2, k), np.float32), np.zeros((2, k), np.int32)
+    whole_row, _ = filtered_kernels(True)
+    with emulated_shuffles():
+        whole_row[2, FILTER_THREADS](bits.view(np.uint64), bits, k, lp, ids)
+    want_lp, want_ids = ref.draft_topk(x, k)
+    np.testing.assert_array_equal(ids, want_ids[:, 0])
+    x32 = x.astype(np.float32)
+    for b in range(2):
+        bound, _ = error_bound(x32[b, 0], want_lp[b, 0], 1024, FILTER_THREADS,
+                               rescale=1 / (2 * WORDS), tile=2 * WORDS, exp2=True)
+        assert (np.abs(lp[b] - want_lp[b, 0]) <= bound).all()
 
 
 @pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated warp intrinsics")

@@ -25,10 +25,11 @@ Who touches what, for a block of ``FILTER_THREADS`` threads (``WARPS`` warps) on
     per block    ``floor_b``: the largest floor any warp has found (a shared atomic max); every
                  warp filters with max(own floor, floor_b)
 
-The loop: warp ``w`` takes tiles ``w, w + WARPS, ...`` of ``32 * WORDS`` words; lane ``l``
-loads words ``tile + u * 32 + l`` for ``u < WORDS`` (a 256-byte coalesced row across the warp
-for each ``u``). The loads of a warp's next tile are issued before its current tile is used
-(``ahead``, then copied to ``word``): ``WORDS`` 8-byte loads stay in flight a lane while it
+The loop: warp ``w`` takes tiles ``w, w + WARPS, ...`` of ``32 * LOADS`` words; lane ``l``
+loads words ``tile + u * 32 + l`` for ``u < LOADS`` (a 256-byte coalesced row across the warp
+for each ``u``; ``LOADS`` is ``WORDS`` for float32 and ``WORDS / 2`` for bfloat16: ``2 * WORDS``
+logits a lane either way). The loads of a warp's next tile are issued before its current tile
+is used (``ahead``, then copied to ``word``): ``LOADS`` 8-byte loads stay in flight a lane while it
 computes, so DRAM latency overlaps the work. Each lane marks the logits at or above the filter
 in a bit mask ``passing``. If no lane has one (``ballot``: the common case once the floor is
 up) the tile costs its loads, its max and its ``exp``. Otherwise a warp scan of the lanes'
@@ -65,7 +66,7 @@ launcher refuses the variant otherwise. Rows of many equal logits (e.g. ``-inf``
 the fallback: a floor is a key, and ties at it are kept.
 
 Precision: tiles are dealt whole, so a lane sums at most ``V / (parts * FILTER_THREADS)`` terms
-plus one tile's share (``2 * WORDS`` float32 or ``4 * WORDS`` bfloat16 logits); a rescale (at
+plus one tile's share (``2 * WORDS`` logits); a rescale (at
 most one a tile) adds about three roundings; combining the threads adds about
 ``log2(FILTER_THREADS) + 3``. A term is ``exp2((x - m) log2 e)``: the hardware's ``ex2``
 (relative error about ``2**-22``) after one multiply, whose rounding makes a relative error of
@@ -113,7 +114,7 @@ WARPS = FILTER_THREADS // 32
 WARP_CAP = 128 if SIMULATOR else 512        # candidates a warp holds
 FILTER_MAX_K = WARP_CAP // 2                # room above k for the appends between compactions
 TOP_CAP = 2 * FILTER_MAX_K                  # the final sort: kk - 1 + the ties at the kk-th key
-WORDS = 2 if SIMULATOR else 8               # 8-byte loads in flight per lane
+WORDS = 2 if SIMULATOR else 8               # float32: 8-byte loads a lane a tile
 LOG2E = float32(1.4426950408889634)       # exp(x) = exp2(x log2 e)
 WARP_BINS = 256                             # a compaction's histogram, per warp
 BLOCKS_PER_SM = 2                           # blocks an SM runs at once: <= 128 registers
@@ -224,6 +225,9 @@ def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
 def _make_filtered_kernels(bf16: bool):
     """``(whole_row_kernel, part_kernel)`` of the one-pass select, float32 or bfloat16."""
     per_word = 4 if bf16 else 2             # logits in an 8-byte word
+    # 8-byte loads a lane a tile: 2 * WORDS logits for either type (bfloat16 with 4 * WORDS
+    # would hold 32 logits a lane in registers twice over and spill on sm_90)
+    LOADS = 2 * WORDS // per_word
     neg_inf_word = uint64(0xFF80FF80FF80FF80) if bf16 else uint64(0xFF800000FF800000)
     _, select_top = _select_top(bf16)
 
@@ -240,7 +244,7 @@ def _make_filtered_kernels(bf16: bool):
         exists and is not below ``cut`` (``not x < cut``: a NaN passes). At most 32 logits a
         lane; the loops unroll, so ``word`` stays in registers."""
         passing = uint32(0)
-        for u in range(WORDS):
+        for u in range(LOADS):
             valid = tile + u * 32 + lane < whi
             for j in range(per_word):
                 if valid and not bits_to_float(value_bits(word[u], j)) < cut:
@@ -270,28 +274,28 @@ def _make_filtered_kernels(bf16: bool):
         n = 0                               # held by this warp (uniform across its lanes)
         floor = uint32(0)                   # every held key >= floor
         overflow = False
-        word = cuda.local.array(WORDS, uint64)     # the tile being filtered
-        ahead = cuda.local.array(WORDS, uint64)    # the warp's next tile, in flight meanwhile
-        stride = WARPS * 32 * WORDS                 # words between a warp's tiles
+        word = cuda.local.array(LOADS, uint64)     # the tile being filtered
+        ahead = cuda.local.array(LOADS, uint64)    # the warp's next tile, in flight meanwhile
+        stride = WARPS * 32 * LOADS                 # words between a warp's tiles
         # Loads index with uint64: numba adds a negative-index wrap to every signed index
         lane64 = uint64(lane)
         whi64 = uint64(whi)
-        tile = wlo + warp * 32 * WORDS
-        for u in range(WORDS):                      # the first tile's loads
+        tile = wlo + warp * 32 * LOADS
+        for u in range(LOADS):                      # the first tile's loads
             i = uint64(tile + u * 32) + lane64
             ahead[u] = words[i] if i < whi64 else neg_inf_word
         while tile < whi:
-            for u in range(WORDS):
+            for u in range(LOADS):
                 word[u] = ahead[u]
             # issue the next tile's loads before using this one (a word past whi reads as
             # -inf and is never loaded), so that DRAM latency overlaps the work below
-            for u in range(WORDS):
+            for u in range(LOADS):
                 i = uint64(tile + stride + u * 32) + lane64
                 ahead[u] = words[i] if i < whi64 else neg_inf_word
             # online log-sum-exp (a missing word reads as -inf: no term, no max); the terms
             # as exp2((x - m) log2 e), one multiply and one MUFU.EX2 (see the precision note)
             tile_max = NEG_INF
-            for u in range(WORDS):
+            for u in range(LOADS):
                 for j in range(per_word):
                     tile_max = max(tile_max, bits_to_float(value_bits(word[u], j)))
             if tile_max > m:
@@ -299,7 +303,7 @@ def _make_filtered_kernels(bf16: bool):
                     s *= math.exp(m - tile_max)
                 m = tile_max
             if m > NEG_INF:
-                for u in range(WORDS):
+                for u in range(LOADS):
                     for j in range(per_word):
                         s += math.exp2((bits_to_float(value_bits(word[u], j)) - m) * LOG2E)
             # the filter: keys >= max(own floor, the block's)
@@ -343,7 +347,7 @@ def _make_filtered_kernels(bf16: bool):
             # position would not fit. A loop the compiler keeps rolled: one copy of the
             # compaction, and the word read again (an L1 hit) rather than indexing `word` at
             # run time, which would put it in local memory.
-            for q in range(WORDS * per_word):
+            for q in range(LOADS * per_word):
                 i = tile + (q // per_word) * 32 + lane
                 valid = i < whi
                 x_bits = value_bits(words[i] if valid else neg_inf_word, q % per_word)
