@@ -396,7 +396,7 @@ def _require_tree_lists(lists, sizes: dict) -> list:
     return infos
 
 
-def _check_tree_links(next_token, next_sibling, bs: int, N: int) -> None:
+def _check_tree_links(next_token, next_sibling, N: int) -> None:
     """The value checks of first-child / next-sibling lists: links are -1 or node indices in
     ``(0, N)`` and no node is the target of two links (the lists form a tree)."""
     for name, links in (("next_token", next_token), ("next_sibling", next_sibling)):
@@ -423,7 +423,7 @@ def check_tree_accept(token_ids, next_token, next_sibling, target_predict, *,
                                  ("next_sibling", next_sibling),
                                  ("target_predict", target_predict)), sizes)
     if _values_wanted(infos, check):
-        _check_tree_links(next_token, next_sibling, sizes["bs"], sizes["N"])
+        _check_tree_links(next_token, next_sibling, sizes["N"])
     return AcceptSizes(sizes["bs"], sizes["N"])
 
 
@@ -448,8 +448,8 @@ def _check_sampled_tree_values(token_ids, next_token, next_sibling, uniforms, bo
     uniforms in ``[0, 1)``, token ids in ``[0, V)`` at the nodes the walk can reach and no token
     twice among siblings. Returns ``(nodes_of_tree, tree_of)``: the sorted nodes the walk can
     reach in each distinct tree of the batch (``int64`` arrays), and the tree of each request."""
-    bs, N = array_info("token_ids", token_ids).shape
-    _check_tree_links(next_token, next_sibling, bs, N)
+    _, N = array_info("token_ids", token_ids).shape
+    _check_tree_links(next_token, next_sibling, N)
     for name, u in (("uniforms", uniforms), ("bonus_uniforms", bonus_uniforms)):
         v = host_values(u)
         bad = ~((v >= 0) & (v < 1))
@@ -583,7 +583,7 @@ def check_accept_commit(token_ids, next_token, next_sibling, target_predict, kv_
               require_array("prefix_lens", prefix_lens, (INT32,), ("bs",), sizes)]
     require_page_size(infos[4], sizes)
     if _values_wanted(infos, check):
-        _check_tree_links(next_token, next_sibling, sizes["bs"], sizes["N"])
+        _check_tree_links(next_token, next_sibling, sizes["N"])
         check_paged_slots(block_table, prefix_lens, sizes["N"], sizes["num_pages"],
                           sizes["page_size"])
     return CommitSizes(sizes["bs"], sizes["N"], sizes["num_pages"], sizes["page_size"],

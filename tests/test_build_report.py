@@ -35,8 +35,8 @@ def run_real_target(args, code=None):
                           timeout=REPORT_TIMEOUT_S)
 
 
-# The tests that read the report run on one pytest-xdist worker (``--dist loadgroup`` in
-# pyproject.toml), so that the module fixture compiles every kernel once, not once a worker.
+# The tests that read the report run on one pytest-xdist worker (``loadgroup``, set in the
+# root conftest.py), so that the module fixture compiles every kernel once, not once a worker.
 ONE_WORKER = pytest.mark.xdist_group("build_report")
 
 

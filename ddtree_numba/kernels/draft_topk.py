@@ -415,10 +415,12 @@ def filtered_applies(logits_bits, k: int) -> bool:
 FILTER_MIN_V_PER_K = 512
 
 
-def filtered_pays(parts: int, V: int, k: int) -> bool:
-    """Whether the default takes the one-pass kernel (where it applies): whole rows a block
-    (``parts == 1``) and ``V >= FILTER_MIN_V_PER_K * k``."""
-    return parts == 1 and V >= FILTER_MIN_V_PER_K * k
+def filtered_pays(parts: int, V: int, k: int, bf16: bool = False) -> bool:
+    """Whether the default takes the one-pass kernel (where it applies): float32 logits, whole
+    rows a block (``parts == 1``) and ``V >= FILTER_MIN_V_PER_K * k``. bfloat16 logits keep the
+    two-pass kernel until its one-pass build of 16 logits a lane has been timed on a GPU (the
+    build before it, which spilled on sm_90, measured 601 against 903 us at bs 64)."""
+    return not bf16 and parts == 1 and V >= FILTER_MIN_V_PER_K * k
 
 
 def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, variant=None):
@@ -446,14 +448,16 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, var
         ``"two_pass"`` or ``"filtered"`` (one pass over the logits: ``draft_topk_filtered``;
         a GPU with warp intrinsics, ``k <= 256`` and rows of whole 8-byte words:
         :func:`~ddtree_numba.kernels.draft_topk.filtered_applies`). Default: ``"filtered"``
-        on a GPU where it applies and was measured faster (:func:`filtered_pays`: whole rows
-        a block and ``V >= 512 k``), else ``"two_pass"`` (always on the simulator).
+        on a GPU where it applies and was measured faster (:func:`filtered_pays`: float32,
+        whole rows a block and ``V >= 512 k``), else ``"two_pass"`` (always on the
+        simulator).
 
     Returns
     -------
     tuple
         ``(top_log_probs, top_token_ids)`` device arrays; ids equal the reference's exactly,
-        log-probs within the bound stated in the module docstring.
+        log-probs within the bound stated in the module docstring (the one-pass kernel's:
+        in ``draft_topk_filtered``'s).
     """
     sz = check_draft_topk(logits, k, check=check)
     if sz.k > MAX_K:
@@ -484,7 +488,7 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, var
     x = as_device(logits)
     bits = x.reshape(rows, sz.V)
     bits = bits.view(np.uint16) if is_bf16 else bits.view(np.uint32)
-    if asked is None and not SIMULATOR and filtered_pays(parts, sz.V, sz.k) and (
+    if asked is None and not SIMULATOR and filtered_pays(parts, sz.V, sz.k, is_bf16) and (
             filtered_applies(bits, sz.k)):
         variant = "filtered"
     if variant == "filtered" and not filtered_applies(bits, sz.k):

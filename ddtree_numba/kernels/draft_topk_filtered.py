@@ -69,10 +69,11 @@ Precision: tiles are dealt whole, so a lane sums at most ``V / (parts * FILTER_T
 plus one tile's share (``2 * WORDS`` logits); a rescale (at
 most one a tile) adds about three roundings; combining the threads adds about
 ``log2(FILTER_THREADS) + 3``. A term is ``exp2((x - m) log2 e)``: the hardware's ``ex2``
-(relative error about ``2**-22``) after one multiply, whose rounding makes a relative error of
-about ``|x - m| 2**-23`` in the term; weighted by the terms (the softmax) ``|x - m|`` averages at
-most ``ln V``, so the sum gains at most ``(2 + ln V) 2**-23`` relative error (about 14 units of
-float32 rounding at ``V = 163 840``, against ~640 from the summation). ``tests/test_draft_topk.py``
+(relative error about ``2**-22``) after one multiply, whose rounding (and that of ``LOG2E``,
+``1.1 * 2**-24`` relative) makes a relative error of about ``1.1 |x - m| 2**-23`` in the term;
+weighted by the terms (the softmax) ``|x - m|`` averages at most ``ln V``, so the sum gains at
+most ``(2 + 1.2 ln V) 2**-23`` relative error (about 16 units of float32 rounding at
+``V = 163 840``, against ~640 from the summation). ``tests/test_draft_topk.py``
 checks that bound.
 
 Warp intrinsics (``ballot_sync``, ``shfl_sync``, ``syncwarp``): a GPU variant; the simulator
@@ -277,21 +278,22 @@ def _make_filtered_kernels(bf16: bool):
         word = cuda.local.array(LOADS, uint64)     # the tile being filtered
         ahead = cuda.local.array(LOADS, uint64)    # the warp's next tile, in flight meanwhile
         stride = WARPS * 32 * LOADS                 # words between a warp's tiles
-        # Loads index with uint64: numba adds a negative-index wrap to every signed index
+        # Loads index with uint64 (at_word): numba adds a negative-index wrap to every signed
+        # index
         lane64 = uint64(lane)
         whi64 = uint64(whi)
         tile = wlo + warp * 32 * LOADS
         for u in range(LOADS):                      # the first tile's loads
-            i = uint64(tile + u * 32) + lane64
-            ahead[u] = words[i] if i < whi64 else neg_inf_word
+            at_word = uint64(tile + u * 32) + lane64
+            ahead[u] = words[at_word] if at_word < whi64 else neg_inf_word
         while tile < whi:
             for u in range(LOADS):
                 word[u] = ahead[u]
             # issue the next tile's loads before using this one (a word past whi reads as
             # -inf and is never loaded), so that DRAM latency overlaps the work below
             for u in range(LOADS):
-                i = uint64(tile + stride + u * 32) + lane64
-                ahead[u] = words[i] if i < whi64 else neg_inf_word
+                at_word = uint64(tile + stride + u * 32) + lane64
+                ahead[u] = words[at_word] if at_word < whi64 else neg_inf_word
             # online log-sum-exp (a missing word reads as -inf: no term, no max); the terms
             # as exp2((x - m) log2 e), one multiply and one MUFU.EX2 (see the precision note)
             tile_max = NEG_INF
@@ -334,9 +336,10 @@ def _make_filtered_kernels(bf16: bool):
                     q = cuda.ffs(left) - 1          # the lowest passing position
                     left &= left - uint32(1)
                     j = q % per_word
-                    i = uint64(tile + (q // per_word) * 32) + lane64
-                    v = int64(i) * per_word + j     # the logit's id in the row
-                    buf[at] = ((uint64(orderable_key(value_bits(words[i], j))) << uint64(32))
+                    at_word = uint64(tile + (q // per_word) * 32) + lane64
+                    v = int64(at_word) * per_word + j   # the logit's id in the row
+                    buf[at] = ((uint64(orderable_key(value_bits(words[at_word], j)))
+                                << uint64(32))
                                | uint64(0xFFFFFFFF - v))
                     at += 1
                 n += arriving
