@@ -22,6 +22,8 @@ from __future__ import annotations
 import csv
 import os
 
+from ddtree_numba.kernels.draft_topk import filtered_pays
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 H200 = {"sms": 132, "clock_ghz": 1.98, "bandwidth_tbs": 4.8}
 RTX_PRO_6000 = {"sms": 188, "clock_ghz": 125e12 / (24064 * 2) / 1e9, "bandwidth_tbs": 1.792}
@@ -52,11 +54,13 @@ def projection() -> list:
         if r["bs"] in ("1", "64") and r["k"] == "256":
             bs = int(r["bs"])
             nbytes = bs * 15 * int(r["V"]) * (4 if r["dtype"] == "float32" else 2)
-            # the kernel the default launches: the faster of the two where both were timed
-            # (draft_topk's default follows those measurements, see filtered_pays)
-            us, variant = float(r["gpu_us"]), r.get("variant") or "two_pass"
-            if r.get("two_pass_us") and float(r["two_pass_us"]) < us:
-                us, variant = float(r["two_pass_us"]), "two_pass"
+            # the kernel the default launches (filtered_pays, as draft_topk decides; every
+            # row times the two-pass kernel as two_pass_us)
+            parts = int(r.get("parts") or 1)
+            variant = ("filtered" if filtered_pays(parts, int(r["V"]), int(r["k"]),
+                                                   r["dtype"] == "bfloat16") else "two_pass")
+            us = float(r["gpu_us"] if r.get("variant", "two_pass") == variant
+                       else r["two_pass_us"])
             out.append((f"draft_topk bs={bs} V={r['V']} K=256 {r['dtype']} {variant} "
                         f"({r.get('parts') or 1} blocks per row)", "issue", us, nbytes))
     for r in rows("accept_commit"):

@@ -48,18 +48,17 @@ def error_bound(x_row, lp_ref, V, threads, parts=1, rescale=0.0, tile=0, exp2=Fa
 
 
 def check_kernel(x, k, parts=None, variant=None):
-    from ddtree_numba.kernels._device import SIMULATOR
-    from ddtree_numba.kernels.draft_topk import TOPK_THREADS, filtered_pays, parts_per_row
-    from ddtree_numba.kernels.draft_topk_filtered import FILTER_MAX_K, FILTER_THREADS, WORDS
+    from ddtree_numba.kernels.draft_topk import TOPK_THREADS, default_variant, parts_per_row
+    from ddtree_numba.kernels.draft_topk_filtered import FILTER_THREADS, WORDS
 
     if parts is None:
         parts = parts_per_row(x.shape[0] * x.shape[1], x.shape[2], k)
     lp, ids = K.draft_topk(x, k, parts=parts, variant=variant)
-    per_word = 8 // np.asarray(x).dtype.itemsize
-    bf16 = per_word == 4
-    if variant is None and not SIMULATOR and filtered_pays(parts, x.shape[2], k, bf16) and (
-            k <= FILTER_MAX_K and x.shape[2] % per_word == 0):
-        variant = "filtered"                # the default's choice (fresh arrays: aligned)
+    if variant is None:                     # the launcher's choice, for the bound below
+        host = np.asarray(x)
+        bits = host.reshape(-1, host.shape[2]).view(np.uint16 if host.itemsize == 2 else
+                                                    np.uint32)
+        variant = default_variant(bits, parts, k)
     lp, ids = lp.copy_to_host(), ids.copy_to_host()
     want_lp, want_ids = ref.draft_topk(x, k)
     np.testing.assert_array_equal(ids, want_ids)

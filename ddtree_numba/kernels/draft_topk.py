@@ -423,6 +423,19 @@ def filtered_pays(parts: int, V: int, k: int, bf16: bool = False) -> bool:
     return not bf16 and parts == 1 and V >= FILTER_MIN_V_PER_K * k
 
 
+def default_variant(logits_bits, parts: int, k: int) -> str:
+    """The variant :func:`~ddtree_numba.kernels.draft_topk` launches when none is asked for,
+    on the element-bit view ``uint32|uint16[rows, V]`` of the logits split in ``parts`` blocks
+    a row:
+    ``"filtered"`` on a GPU where it applies (:func:`filtered_applies`) and pays
+    (:func:`filtered_pays`), else ``"two_pass"``."""
+    bf16 = logits_bits.dtype.itemsize == 2
+    if (not SIMULATOR and filtered_pays(parts, logits_bits.shape[1], k, bf16)
+            and filtered_applies(logits_bits, k)):
+        return "filtered"
+    return "two_pass"
+
+
 def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, variant=None):
     """Per-depth log-softmax top-K of the drafter's logits on the GPU (one or two launches,
     no sync).
@@ -448,9 +461,9 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, var
         ``"two_pass"`` or ``"filtered"`` (one pass over the logits: ``draft_topk_filtered``;
         a GPU with warp intrinsics, ``k <= 256`` and rows of whole 8-byte words:
         :func:`~ddtree_numba.kernels.draft_topk.filtered_applies`). Default: ``"filtered"``
-        on a GPU where it applies and was measured faster (:func:`filtered_pays`: float32,
-        whole rows a block and ``V >= 512 k``), else ``"two_pass"`` (always on the
-        simulator).
+        on a GPU where it applies and was measured faster
+        (:func:`~ddtree_numba.kernels.draft_topk.default_variant`: float32, whole rows a block
+        and ``V >= 512 k``), else ``"two_pass"`` (always on the simulator).
 
     Returns
     -------
@@ -479,8 +492,8 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, var
                                            (np.float32, ("rows", "parts")),
                                            (np.float32, ("rows", "parts")))):
             require_array(f"scratch[{i}]", scratch[i], (dtype,), dims, sizes)
-    asked = variant
-    variant = resolve_variant(variant or "two_pass", readable="two_pass", fast="filtered")
+    if variant is not None:                 # else chosen below, from the logits' bits
+        variant = resolve_variant(variant, readable="two_pass", fast="filtered")
     is_bf16 = storage_kind(logits) == "bfloat16"
     if SIMULATOR and is_bf16:               # the simulator has no bf16: widen exactly on host
         logits = np.asarray(logits).astype(np.float32)
@@ -488,9 +501,8 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, var
     x = as_device(logits)
     bits = x.reshape(rows, sz.V)
     bits = bits.view(np.uint16) if is_bf16 else bits.view(np.uint32)
-    if asked is None and not SIMULATOR and filtered_pays(parts, sz.V, sz.k, is_bf16) and (
-            filtered_applies(bits, sz.k)):
-        variant = "filtered"
+    if variant is None:
+        variant = default_variant(bits, parts, sz.k)
     if variant == "filtered" and not filtered_applies(bits, sz.k):
         from .draft_topk_filtered import FILTER_MAX_K
 

@@ -22,7 +22,7 @@ Who touches what, for a block of ``FILTER_THREADS`` threads (``WARPS`` warps) on
                  (key << 32 | ~id), its count n and its floor (all held keys >= floor), in
                  registers that every lane of the warp agrees on; warps never wait for each
                  other inside the loop (no block barrier there)
-    per block    ``floor_b``: the largest floor any warp has found (a shared atomic max); every
+    per block    floor_b: the largest floor any warp has found (a shared atomic max); every
                  warp filters with max(own floor, floor_b)
 
 The loop: warp ``w`` takes tiles ``w, w + WARPS, ...`` of ``32 * LOADS`` words; lane ``l``
