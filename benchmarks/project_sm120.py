@@ -57,8 +57,8 @@ def projection() -> list:
             # the kernel the default launches (filtered_pays, as draft_topk decides; every
             # row times the two-pass kernel as two_pass_us)
             parts = int(r.get("parts") or 1)
-            variant = ("filtered" if filtered_pays(parts, int(r["V"]), int(r["k"]),
-                                                   r["dtype"] == "bfloat16") else "two_pass")
+            variant = ("filtered" if filtered_pays(parts, int(r["V"]), int(r["k"]))
+                       else "two_pass")
             us = float(r["gpu_us"] if r.get("variant", "two_pass") == variant
                        else r["two_pass_us"])
             out.append((f"draft_topk bs={bs} V={r['V']} K=256 {r['dtype']} {variant} "

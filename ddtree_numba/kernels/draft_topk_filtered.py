@@ -223,6 +223,16 @@ def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
     return kept, new_floor
 
 
+@cuda.jit(device=True, inline=True)
+def _compact_and_share(buf, base, n, floor, need, hist, hbase, lane, lanes_below, floor_b):
+    """:func:`_compact`, then the new floor shared with the block (a shared atomic max: any
+    warp's floor is a valid one for all) and the filter's new cut, ``max(own floor, the
+    block's)``. Returns ``(new n, new floor, cut)``."""
+    n, floor = _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below)
+    cuda.atomic.max(floor_b, 0, floor)
+    return n, floor, _cut_of(max(floor, floor_b[0]))
+
+
 def _make_filtered_kernels(bf16: bool):
     """``(whole_row_kernel, part_kernel)`` of the one-pass select, float32 or bfloat16."""
     per_word = 4 if bf16 else 2             # logits in an 8-byte word
@@ -319,9 +329,8 @@ def _make_filtered_kernels(bf16: bool):
             arriving = cuda.shfl_sync(FULL_MASK, end, 31)
             if n + arriving > WARP_CAP and n > kk:
                 # make room first: compact (raising the floor), then filter the tile again
-                n, floor = _compact(buf, base, n, floor, kk, hist, hbase, lane, lanes_below)
-                cuda.atomic.max(floor_b, 0, floor)  # share it (any warp's is valid)
-                cut = _cut_of(max(floor, floor_b[0]))
+                n, floor, cut = _compact_and_share(buf, base, n, floor, kk, hist, hbase, lane,
+                                                   lanes_below, floor_b)
                 passing = pass_mask(word, tile, lane, whi, cut)
                 mine = cuda.popc(passing)
                 end = warp_inclusive_scan(int32(mine), lane)
@@ -357,10 +366,8 @@ def _make_filtered_kernels(bf16: bool):
                 take = valid and not bits_to_float(x_bits) < cut
                 mask = cuda.ballot_sync(FULL_MASK, take)
                 if n + cuda.popc(mask) > WARP_CAP:
-                    n, floor = _compact(buf, base, n, floor, kk, hist, hbase, lane,
-                                        lanes_below)
-                    cuda.atomic.max(floor_b, 0, floor)  # share it (any warp's is valid)
-                    cut = _cut_of(max(floor, floor_b[0]))
+                    n, floor, cut = _compact_and_share(buf, base, n, floor, kk, hist, hbase,
+                                                       lane, lanes_below, floor_b)
                     take = valid and not bits_to_float(x_bits) < cut
                     mask = cuda.ballot_sync(FULL_MASK, take)
                     if n + cuda.popc(mask) > WARP_CAP:  # ties at the floor fill the set
