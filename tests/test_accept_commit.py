@@ -50,6 +50,7 @@ def expected(tree, predict, cache, table, prefix):
     (5, 3, 40, 4, np.float32, 40, 8),           # 80 (layer, word) items: several blocks
     (6, 2, 30, 3, bfloat16, 13, 4),             # 26-byte rows: moved as uint16
     (7, 2, 25, 2, np.float32, 5, 4),            # 20-byte rows: moved as uint32
+    (8, 2, 130, 2, np.float32, 12, 4),          # N > 3 x 32: the staging loop runs too
 ])
 def test_equals_tree_accept_then_commit_kv(seed, bs, N, layers, dtype, D, page_size):
     tree, predict, cache, table, prefix = problem(seed, bs, N, layers, dtype,

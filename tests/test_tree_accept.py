@@ -9,6 +9,8 @@ from cases import random_parents, random_tree_inputs
 from ddtree_numba import AcceptResult
 from ddtree_numba import kernels as K
 from ddtree_numba import reference as ref
+from ddtree_numba.kernels._device import SIMULATOR
+from ddtree_numba.kernels.tree_accept import ACCEPT_THREADS, STAGE_ROUNDS
 
 #           0 (root, token 100)
 #         / | \
@@ -90,6 +92,20 @@ def test_kernel_matches_reference_on_built_trees(seed):
     want = accept(tree, predict)
     assert_accept_equal(K.tree_accept(tree.token_ids, tree.next_token, tree.next_sibling,
                                       predict), want)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_kernel_matches_reference_past_the_registers_staging(seed):
+    """Trees of more nodes than a block stages from registers (``STAGE_ROUNDS`` entries a
+    thread: 96 on the simulator's 32-thread blocks), so the loop that stages the rest runs
+    too; the budget is spent (K 8, L 8) and the paths are long."""
+    rng = np.random.default_rng(80 + seed)
+    lp, ids, roots, _, prefix = random_tree_inputs(rng, bs=2, L=8, K=8)
+    tree = ref.build_tree(lp, ids, roots, 150, prefix_lens=prefix)
+    assert SIMULATOR is False or tree.num_nodes.min() > STAGE_ROUNDS * ACCEPT_THREADS
+    predict = np.stack([follow_path_predictions(rng, tree, b, 0.95) for b in range(2)])
+    assert_accept_equal(K.tree_accept(tree.token_ids, tree.next_token, tree.next_sibling,
+                                      predict), accept(tree, predict))
 
 
 @pytest.mark.parametrize("seed", range(10))

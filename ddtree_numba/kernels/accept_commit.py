@@ -7,22 +7,29 @@ holds the path in shared memory. The moves, not the walk, are most of the work: 
 every layer, each row ``D`` elements. So the grid is ``(bs, parts)``, ``ACCEPT_COMMIT_THREADS``
 threads a block, and every block of request ``b``:
 
-0. stages the window of ``b``'s block-table row that slots ``P .. P + N - 1`` fall on
-   (``first_page = P // page_size`` on), so that no move waits for a block-table load;
-1. stages the request's four rows and walks them in thread 0 (``tree_accept.greedy_walk``:
+0. issues the loads of the request's four rows (``tree_accept.load_rows``: registers), then
+   stages the window of ``b``'s block-table row that slots ``P .. P + N - 1`` fall on
+   (``first_page = P // page_size`` on), so that no move waits for a block-table load. The
+   window's loads need ``P``, the rows' do not: issued first, they wait in parallel with ``P``
+   and the window, and the phase costs two DRAM latencies (the earlier order, window first
+   and the rows in five load-then-store rounds of 256 threads, cost seven);
+1. stores the rows in shared memory and walks them in thread 0 (``tree_accept.greedy_walk``:
    the same walk in every block of the request, from the same rows);
 2. block ``part = 0`` only: writes the ``AcceptResult`` rows (``tree_accept.write_accept_rows``)
    and ``new_prefix_lens[b] = P + k + 1``;
-3. makes its share of the moves. The cache is read as words (``uint64`` where a row's bytes
-   allow, else the element's bits: a move is a copy, not arithmetic), and the moves of one
-   (layer, word) column are one *item*: item ``it = layer * W + w``. Thread ``tid`` of block
-   ``part`` takes items ``part * T + tid``, then every ``parts * T`` further, and moves each
-   column as ``commit_kv`` does (``commit_kv.commit_column``: the reads of up to eight moves,
-   then their writes, in ascending order). The launcher picks ``parts = ceil(items / T)``:
-   one item per thread.
+3. plans the moves as ``commit_kv`` does (``commit_kv.plan_moves``: each move's source and
+   destination page and offset, computed once, by one thread a move, into shared memory;
+   the 64-bit divisions of these addresses, made by every column's thread, were most of this
+   kernel's instructions), then makes its share of them. The cache is read as words
+   (``uint64`` where a row's bytes allow, else the element's bits: a move is a copy, not
+   arithmetic), and the moves of one (layer, word) column are one *item*: item ``it = layer
+   * W + w``. Thread ``tid`` of block ``part`` takes items ``part * T + tid``, then every
+   ``parts * T`` further, and moves each column as ``commit_kv`` does
+   (``commit_kv.commit_column``: the reads of up to eight moves, then their writes, in
+   ascending order). The launcher picks ``parts = ceil(items / T)``: one item per thread.
 
-No barrier is needed in phase 3: no two threads (of any block) touch the same word, and the
-path and the window were complete at the walk's last barrier. ``kv_cache`` is one layer
+Phase 3 has one barrier, after the plan: no two threads (of any block) touch the same word,
+and the path and the window were complete at the walk's last barrier. ``kv_cache`` is one layer
 ``[num_pages, page_size, D]`` or all of them, ``[layers, num_pages, page_size, D]`` (the toy
 and DeepSeek-V3 targets keep theirs so). Unchecked inputs stay in bounds as in the two
 kernels it joins (links outside ``[1, N)`` end a list, every cache address is checked, window
@@ -42,12 +49,12 @@ from ..contracts import AcceptResult
 from ..limits import MAX_NODES
 from ..validation import check_accept_commit, require_new_lengths
 from ._device import SIMULATOR, as_device, device_empty, kernel_for_block, launch, launch_stream
-from .commit_kv import commit_column, valid_prefix
-from .tree_accept import checked_out, greedy_walk, write_accept_rows
+from .commit_kv import commit_column, plan_moves, valid_prefix
+from .tree_accept import STAGE_ROUNDS, checked_out, greedy_walk, load_rows, write_accept_rows
 
-# 256 threads (128 and 512 measured no faster on the H200); N <= 1056 is staged in five
-# rounds; 92 / 76 registers on sm_120 / sm_90: two or three blocks an SM
-ACCEPT_COMMIT_THREADS = 32 if SIMULATOR else 256
+# 512 threads: a thread stages STAGE_ROUNDS = 3 entries of each row, 1536 >= N
+ACCEPT_COMMIT_THREADS = 32 if SIMULATOR else 512
+assert SIMULATOR or STAGE_ROUNDS * ACCEPT_COMMIT_THREADS >= MAX_NODES
 MAX_PARTS = 65535                                   # the grid's y limit
 
 
@@ -68,29 +75,35 @@ def _accept_commit_kernel(token_ids, next_token, next_sibling, target_predict, k
     pages = cuda.shared.array(MAX_NODES, int32)     # pages[w] = block_table[b, first_page + w]
 
     P = int64(prefix_lens[b])                       # int64: P + a never wraps around
+    # 0. the rows' loads, issued before anything waits for P: the window's loads (which need
+    # P) then overlap them, and the phase costs two DRAM latencies
+    held = load_rows(token_ids, next_token, next_sibling, target_predict, b, tid, threads, N)
     valid = valid_prefix(P, N)                      # else: commit nothing, keep P
     first_page = P // page_size
-    if valid:                                       # 0. the window: <= N entries (P + N - 1
+    if valid:                                       # the window: <= N entries (P + N - 1
         count = (P + N - 1) // page_size - first_page + 1      # spans at most N slots)
         for w in range(tid, count, threads):
             t = first_page + w
             pages[w] = block_table[b, t] if t < block_table.shape[1] else -1
-    greedy_walk(token_ids, next_token, next_sibling, target_predict, b, tid, threads, N, tok,
-                path, result)                       # 1. (its barriers: window and path done)
+    greedy_walk(token_ids, next_token, next_sibling, target_predict, held, b, tid, threads, N,
+                tok, path, result)                  # 1. (its barriers: window and path done)
     k = result[0]
     if part == 0:                                   # 2.
         write_accept_rows(b, path, k, result[1], tok, tid, threads, N, accept_nodes,
                           accept_len, accept_tokens, bonus_token)
         if tid == 0:
             new_prefix_lens[b] = P + k + 1 if valid else P
-    if not valid:
+    if not valid:                                   # (the same for the whole block)
         return
-    words = kv_words.shape[3]
+    plan = cuda.shared.array((4, MAX_NODES), int32)  # 3. the moves' rows, then the moves
     paging = (pages, first_page, int64(block_table.shape[1]) * page_size)
-    for item in range(part * threads + tid, kv_words.shape[0] * words,   # 3. the moves
+    plan_moves(paging, path, N, P, k, kv_words.shape[1], page_size, plan, tid, threads)
+    cuda.syncthreads()                              # the plan complete before any move
+    words = kv_words.shape[3]
+    for item in range(part * threads + tid, kv_words.shape[0] * words,
                       cuda.gridDim.y * threads):
         layer = item // words
-        commit_column(kv_words[layer], paging, path, N, P, k, item - layer * words)
+        commit_column(kv_words[layer], plan, k, item - layer * words)
 
 
 def as_words(cache):

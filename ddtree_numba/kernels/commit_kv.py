@@ -8,7 +8,10 @@ no move reads a slot written by an *earlier* move, so "read all sources, then wr
 the sequential ascending order. One thread per (request, column) does exactly that for its
 column, in chunks of ``CHUNK = 8`` moves held in registers (reads of a chunk, then its writes, in
 ascending order: still the sequential semantics). No two threads touch the same element, so
-no barrier is needed.
+no barrier is needed between moves. A move's addresses (source and destination page and
+offset: two block-table lookups and 64-bit divisions by the page size) are the same for every
+column, so the block first *plans* them (:func:`plan_moves`: one thread a move, into shared
+memory), then one barrier, then the columns move.
 
 Grid ``(ceil(D / COMMIT_THREADS), bs, layers)``, block ``(COMMIT_THREADS,)``: a stacked cache
 ``[layers, num_pages, page_size, D]`` (every layer of a target in one array) commits all its
@@ -31,7 +34,7 @@ import math
 import numpy as np
 from numba import cuda, int32, int64
 
-from ..limits import MAX_POSITION
+from ..limits import MAX_NODES, MAX_POSITION
 from ..validation import check_commit_kv, require_new_lengths
 from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream
 
@@ -40,66 +43,74 @@ CHUNK = 8       # moves in flight per thread: k <= L <= 15 in DDTree, so one or 
 
 
 @cuda.jit(device=True, inline=True)
-def _read(kv_cache, paging, nodes, N, P, k, col, vals, dst_page, i, j):
-    """Move ``i`` (slot ``P + a_i`` to slot ``P + i``, ``a_i = nodes[i]``): its value into
-    ``vals[j]`` and its destination page into ``dst_page[j]`` (``-1``: no move). ``paging =
-    (pages, first_page, capacity)``: slot ``s`` (``0 <= s < capacity``) is on page
-    ``pages[s // page_size - first_page]``. Every address is checked."""
+def plan_moves(paging, nodes, N, P, k, num_pages, page_size, plan, tid, threads):
+    """All threads of a block: the addresses of one request's moves ``1..k`` into ``plan``
+    (shared ``int32[4, >= k]``): move ``i`` (slot ``P + a_i`` to slot ``P + i``, ``a_i =
+    nodes[i]``) reads row ``(plan[0, i - 1], plan[1, i - 1])`` (page, offset in the page) and
+    writes row ``(plan[2, i - 1], plan[3, i - 1])``; ``plan[0, i - 1] = -1``: no move (an
+    address failed its check). ``paging = (pages, first_page, capacity)``: slot ``s`` (``0 <=
+    s < capacity``) is on page ``pages[s // page_size - first_page]``. A move is the same for
+    every column, so its divisions (64-bit, a few dozen instructions each) are made once here
+    and not by every column's thread; the caller's barrier publishes the plan."""
     pages, first_page, capacity = paging
-    num_pages, page_size = kv_cache.shape[0], kv_cache.shape[1]
-    dst_page[j] = -1
-    if i <= k:
+    for i in range(1 + tid, k + 1, threads):
+        plan[0, i - 1] = -1
         a = nodes[i]
         src = P + a
         dst = P + i
         if 0 <= a < N and 0 <= src < capacity and 0 <= dst < capacity:
-            page = pages[src // page_size - first_page]
-            if 0 <= page < num_pages:
-                vals[j] = kv_cache[page, src % page_size, col]
-                dst_page[j] = pages[dst // page_size - first_page]
+            src_page = pages[src // page_size - first_page]
+            dst_page = pages[dst // page_size - first_page]
+            if 0 <= src_page < num_pages and 0 <= dst_page < num_pages:
+                plan[0, i - 1] = src_page
+                plan[1, i - 1] = src % page_size
+                plan[2, i - 1] = dst_page
+                plan[3, i - 1] = dst % page_size
 
 
 @cuda.jit(device=True, inline=True)
-def _write(kv_cache, P, col, vals, dst_page, i, j):
-    """Write ``vals[j]`` to slot ``P + i`` if ``_read`` found a destination page."""
-    page = dst_page[j]
-    if 0 <= page < kv_cache.shape[0]:
-        kv_cache[page, (P + i) % kv_cache.shape[1], col] = vals[j]
+def _read(kv_cache, plan, k, col, vals, i, j):
+    """Move ``i + 1``'s value (plan entry ``i``) into ``vals[j]``, if it moves."""
+    if i < k and plan[0, i] >= 0:
+        vals[j] = kv_cache[plan[0, i], plan[1, i], col]
 
 
 @cuda.jit(device=True, inline=True)
-def commit_column(kv_cache, paging, nodes, N, P, k, col):
+def _write(kv_cache, plan, k, col, vals, i, j):
+    """Write ``vals[j]`` to move ``i + 1``'s destination, if it moves."""
+    if i < k and plan[0, i] >= 0:
+        kv_cache[plan[2, i], plan[3, i], col] = vals[j]
+
+
+@cuda.jit(device=True, inline=True)
+def commit_column(kv_cache, plan, k, col):
     """Moves ``1..k`` of one request for column ``col`` of a ``[num_pages, page_size, D]``
-    cache. ``nodes[i]`` is the path's node ``a_i`` (a row of ``accept_nodes``, or the accept
-    kernel's path in shared memory). ``paging = (pages, first_page, capacity)``: slot ``s``
-    (``0 <= s < capacity``) is on page ``pages[s // page_size - first_page]``, from the
-    request's block-table row (``first_page = 0``) or from a window of it staged in shared
-    memory. No other thread touches this column of these rows."""
-    # Registers, not local memory: vals and dst_page are only ever indexed by the literal j
-    # of the calls below (spelled out rather than a loop, so that this holds whatever a
-    # compiler's unrolling heuristics decide; CUDA 13.0's NVVM left a loop here rolled for
-    # sm_120 and put both arrays on the stack).
+    cache, by the addresses of :func:`plan_moves`. No other thread touches this column of
+    these rows."""
+    # Registers, not local memory: vals is only ever indexed by the literal j of the calls
+    # below (spelled out rather than a loop, so that this holds whatever a compiler's
+    # unrolling heuristics decide; CUDA 13.0's NVVM left a loop here rolled for sm_120 and
+    # put the array on the stack).
     vals = cuda.local.array(CHUNK, kv_cache.dtype)
-    dst_page = cuda.local.array(CHUNK, int32)
-    for i0 in range(1, k + 1, CHUNK):
+    for i0 in range(0, k, CHUNK):
         # 1. read up to CHUNK sources (all loads in flight at once) ...
-        _read(kv_cache, paging, nodes, N, P, k, col, vals, dst_page, i0, 0)
-        _read(kv_cache, paging, nodes, N, P, k, col, vals, dst_page, i0 + 1, 1)
-        _read(kv_cache, paging, nodes, N, P, k, col, vals, dst_page, i0 + 2, 2)
-        _read(kv_cache, paging, nodes, N, P, k, col, vals, dst_page, i0 + 3, 3)
-        _read(kv_cache, paging, nodes, N, P, k, col, vals, dst_page, i0 + 4, 4)
-        _read(kv_cache, paging, nodes, N, P, k, col, vals, dst_page, i0 + 5, 5)
-        _read(kv_cache, paging, nodes, N, P, k, col, vals, dst_page, i0 + 6, 6)
-        _read(kv_cache, paging, nodes, N, P, k, col, vals, dst_page, i0 + 7, 7)
+        _read(kv_cache, plan, k, col, vals, i0, 0)
+        _read(kv_cache, plan, k, col, vals, i0 + 1, 1)
+        _read(kv_cache, plan, k, col, vals, i0 + 2, 2)
+        _read(kv_cache, plan, k, col, vals, i0 + 3, 3)
+        _read(kv_cache, plan, k, col, vals, i0 + 4, 4)
+        _read(kv_cache, plan, k, col, vals, i0 + 5, 5)
+        _read(kv_cache, plan, k, col, vals, i0 + 6, 6)
+        _read(kv_cache, plan, k, col, vals, i0 + 7, 7)
         # 2. ... then write them in ascending i (a_i >= i: no read above saw a write)
-        _write(kv_cache, P, col, vals, dst_page, i0, 0)
-        _write(kv_cache, P, col, vals, dst_page, i0 + 1, 1)
-        _write(kv_cache, P, col, vals, dst_page, i0 + 2, 2)
-        _write(kv_cache, P, col, vals, dst_page, i0 + 3, 3)
-        _write(kv_cache, P, col, vals, dst_page, i0 + 4, 4)
-        _write(kv_cache, P, col, vals, dst_page, i0 + 5, 5)
-        _write(kv_cache, P, col, vals, dst_page, i0 + 6, 6)
-        _write(kv_cache, P, col, vals, dst_page, i0 + 7, 7)
+        _write(kv_cache, plan, k, col, vals, i0, 0)
+        _write(kv_cache, plan, k, col, vals, i0 + 1, 1)
+        _write(kv_cache, plan, k, col, vals, i0 + 2, 2)
+        _write(kv_cache, plan, k, col, vals, i0 + 3, 3)
+        _write(kv_cache, plan, k, col, vals, i0 + 4, 4)
+        _write(kv_cache, plan, k, col, vals, i0 + 5, 5)
+        _write(kv_cache, plan, k, col, vals, i0 + 6, 6)
+        _write(kv_cache, plan, k, col, vals, i0 + 7, 7)
 
 
 @cuda.jit(device=True, inline=True)
@@ -125,11 +136,15 @@ def _commit_kv_kernel(kv_layers, block_table, prefix_lens, accept_nodes, accept_
         return
     if writer:
         new_prefix_lens[b] = P + k + 1              # <= P + N <= MAX_POSITION
+    plan = cuda.shared.array((4, MAX_NODES), int32)
+    num_pages, page_size = kv_layers.shape[1], kv_layers.shape[2]
+    paging = (block_table[b], int64(0), int64(block_table.shape[1]) * page_size)
+    plan_moves(paging, accept_nodes[b], N, P, k, num_pages, page_size, plan,
+               cuda.threadIdx.x, cuda.blockDim.x)
+    cuda.syncthreads()                              # the plan complete before any move
     # the grid has a layer even for a stack of none, whose requests still get their lengths
     if layer < kv_layers.shape[0] and col < kv_layers.shape[3]:
-        kv_cache = kv_layers[layer]                 # [num_pages, page_size, D], a view
-        paging = (block_table[b], int64(0), int64(block_table.shape[1]) * kv_cache.shape[1])
-        commit_column(kv_cache, paging, accept_nodes[b], N, P, k, col)
+        commit_column(kv_layers[layer], plan, k, col)   # [num_pages, page_size, D], a view
 
 
 def commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len, *, check=None,
@@ -144,7 +159,8 @@ def commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len, *, c
         in place. A numpy cache is copied to the device, updated there and copied back (for
         tests and the simulator).
     block_table, prefix_lens, accept_nodes, accept_len : array
-        As in :func:`ddtree_numba.reference.commit_kv`.
+        As in :func:`ddtree_numba.reference.commit_kv`; ``N <= 1056`` (``MAX_NODES``, as
+        every GPU tree).
     check : bool, optional
         Run the value checks (paths, pages). Default: on for numpy inputs only.
     out : device array, optional
@@ -157,6 +173,8 @@ def commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len, *, c
     """
     sz = check_commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len,
                          check=check)
+    if sz.N > MAX_NODES:                            # the kernel plans a request's moves in
+        raise ValueError(f"accept_nodes: expected N <= {MAX_NODES} nodes, got N = {sz.N}")
     host_cache = kv_cache if isinstance(kv_cache, np.ndarray) else None
     cache = as_device(kv_cache)
     if cache.dtype.itemsize == 2:

@@ -5,7 +5,10 @@ most ``L`` levels, each a scan of one sibling list. What makes it slow on a GPU 
 dependent global load per link followed. So each request gets one block that
 
 1. stages its four ``int32[N]`` rows (tokens, first child, next sibling, target prediction)
-   into shared memory with coalesced loads by all threads          (4 N reads per request)
+   into shared memory with coalesced loads by all threads          (4 N reads per request).
+   Thread ``t`` holds entries ``t``, ``t + T`` and ``t + 2 T`` (``T`` threads): all twelve
+   loads are issued (:func:`load_rows`) before the first is stored, so the staging costs one
+   DRAM latency, not one per round of a load-then-store loop;
 2. walks the lists from the root in thread 0, in shared memory (~30 cycles per link)
 3. writes ``accept_nodes`` / ``accept_tokens`` rows with all threads    (2 N writes)
 
@@ -27,9 +30,12 @@ from ..limits import MAX_NODES
 from ..validation import check_tree_accept
 from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream
 
-# 1024 threads stage N <= 1056 entries in at most two rounds of loads: the staging costs one
-# or two DRAM latencies instead of nine (128 threads measured 11.3 us at bs=64, N=1025)
 ACCEPT_THREADS = 32 if SIMULATOR else 1024
+#: Entries of each row a thread stages from registers (:func:`load_rows`); a block of ``T``
+#: threads stages ``STAGE_ROUNDS * T`` of them so, and loads the rest one round at a time
+#: (only on the simulator, whose blocks are 32 threads).
+STAGE_ROUNDS = 3
+assert SIMULATOR or STAGE_ROUNDS * ACCEPT_THREADS >= MAX_NODES
 
 
 @cuda.jit(device=True, inline=True)
@@ -52,15 +58,46 @@ def write_accept_rows(b, path, k, bonus, tokens, tid, threads, N, accept_nodes, 
 
 
 @cuda.jit(device=True, inline=True)
-def greedy_walk(token_ids, next_token, next_sibling, target_predict, b, tid, threads, N, tok,
-                path, result):
-    """Phases 1 and 2 (all threads call it): stage request ``b``'s rows into shared memory and
-    walk them in thread 0. Afterwards every thread sees the path ``path[0..k]``, ``result[0] =
-    k`` and ``result[1]`` the bonus token, and ``tok`` holds the node tokens."""
+def _load_entry(token_ids, next_token, next_sibling, target_predict, b, i, N):
+    """Node ``i``'s four entries (zeros past ``N``): the loads are issued here and waited for
+    only where the values are stored."""
+    if i < N:
+        return token_ids[b, i], next_token[b, i], next_sibling[b, i], target_predict[b, i]
+    return int32(0), int32(0), int32(0), int32(0)
+
+
+@cuda.jit(device=True, inline=True)
+def load_rows(token_ids, next_token, next_sibling, target_predict, b, tid, threads, N):
+    """Phase 1's loads: entries ``tid + q * threads`` (``q < STAGE_ROUNDS``) of request ``b``'s
+    four rows, held in registers for :func:`greedy_walk` (spelled out, not a loop, so that
+    they stay registers whatever a compiler's unrolling heuristics decide)."""
+    return (_load_entry(token_ids, next_token, next_sibling, target_predict, b, tid, N),
+            _load_entry(token_ids, next_token, next_sibling, target_predict, b,
+                        tid + threads, N),
+            _load_entry(token_ids, next_token, next_sibling, target_predict, b,
+                        tid + 2 * threads, N))
+
+
+@cuda.jit(device=True, inline=True)
+def _store_entry(entry, i, N, tok, first, sib, pred):
+    if i < N:
+        tok[i], first[i], sib[i], pred[i] = entry
+
+
+@cuda.jit(device=True, inline=True)
+def greedy_walk(token_ids, next_token, next_sibling, target_predict, held, b, tid, threads,
+                N, tok, path, result):
+    """Phases 1 and 2 (all threads call it, ``held`` from :func:`load_rows`): stage request
+    ``b``'s rows into shared memory and walk them in thread 0. Afterwards every thread sees
+    the path ``path[0..k]``, ``result[0] = k`` and ``result[1]`` the bonus token, and ``tok``
+    holds the node tokens."""
     first = cuda.shared.array(MAX_NODES, int32)
     sib = cuda.shared.array(MAX_NODES, int32)
     pred = cuda.shared.array(MAX_NODES, int32)
-    for i in range(tid, N, threads):                # 1. stage the request's rows
+    _store_entry(held[0], tid, N, tok, first, sib, pred)          # 1. stage the rows
+    _store_entry(held[1], tid + threads, N, tok, first, sib, pred)
+    _store_entry(held[2], tid + 2 * threads, N, tok, first, sib, pred)
+    for i in range(tid + STAGE_ROUNDS * threads, N, threads):     # small blocks only
         tok[i] = token_ids[b, i]
         first[i] = next_token[b, i]
         sib[i] = next_sibling[b, i]
@@ -99,8 +136,9 @@ def _tree_accept_kernel(token_ids, next_token, next_sibling, target_predict, acc
     tok = cuda.shared.array(MAX_NODES, int32)
     path = cuda.shared.array(MAX_NODES, int32)
     result = cuda.shared.array(2, int32)            # [k, bonus]
-    greedy_walk(token_ids, next_token, next_sibling, target_predict, b, tid, threads, N, tok,
-                path, result)                       # 1. and 2.
+    held = load_rows(token_ids, next_token, next_sibling, target_predict, b, tid, threads, N)
+    greedy_walk(token_ids, next_token, next_sibling, target_predict, held, b, tid, threads, N,
+                tok, path, result)                  # 1. and 2.
     write_accept_rows(b, path, result[0], result[1], tok, tid, threads, N,  # 3. write-out
                       accept_nodes, accept_len, accept_tokens, bonus_token)
 
