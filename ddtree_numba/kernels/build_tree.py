@@ -36,9 +36,11 @@ unsigned order = float order; key 0 = no candidate). Lane ``l`` owns the contigu
   node's lane compares one key.
 
 So a pop costs two warp reductions and four dependent shared-memory round trips, whatever
-``N``, with no block-wide barrier inside the loop (only ``syncwarp``). History: the first
-version rescanned the group serially in its owner lane (33 dependent loads) and reduced with a
-5-step ``shfl_xor`` tree: 0.78 us per pop on the H200; see ``benchmarks/NOTES.md``. The other
+``N``, with no block-wide barrier inside the loop (only ``syncwarp``). The loop's indices are
+``uint32``: numba adds a negative-index wrap to every signed index and compares sizes read from
+shapes in 64 bits. History: the first version rescanned the group serially in its owner lane
+(33 dependent loads) and reduced with a 5-step ``shfl_xor`` tree: 0.78 us per pop on the H200;
+now 0.59-0.71 us; see ``benchmarks/NOTES.md``. The other
 three warps of the block help with the set-up (initialise shared arrays, stage log-probs) and
 the coalesced write-out.
 
@@ -152,7 +154,7 @@ def _select_scan_kernel(lp, budget, parents, depths, log_weights, next_token, ne
 def _log_prob(lp, lp_cache, b, d, r, R):
     """``top_log_probs[b, d, r]`` from the shared copy when ``r < R``, else from global."""
     if r < R:
-        return lp_cache[d * R + r]
+        return lp_cache[uint32(d * R + r)]         # unsigned: no negative-index wrap
     return lp[b, d, r]
 
 
@@ -199,6 +201,15 @@ def _select_warp_kernel(lp, budget, parents, depths, log_weights, next_token, ne
     cuda.syncthreads()                              # staging done before warp 0 reads it
 
     if tid < 32:
+        # The pops: node indices and sizes as uint32 (< 2**16 here), so that numba indexes
+        # shared memory without its negative-index wrap and compares in 32 bits (a size read
+        # from a shape is 64-bit). This loop is one warp's dependent chain, so every
+        # instruction in it is latency.
+        last_rank = uint32(K - 1)                   # a sibling exists while r < last_rank
+        last_depth = uint32(L - 1)                  # a child exists while depth < last_depth
+        R32 = uint32(R)
+        B32 = uint32(budget)
+        lane32 = uint32(lane)
         # root: node 0, candidate (0, 0) in lane 0's group
         if lane == 0:
             score[0] = 0.0
@@ -209,69 +220,72 @@ def _select_warp_kernel(lp, budget, parents, depths, log_weights, next_token, ne
             cand[0] = _candidate_key(float32(0.0) + lp_cache[0])
         cuda.syncwarp(FULL_MASK)                    # lane 0's writes visible to the warp
         best_key = cand[0] if lane == 0 else uint32(0)   # this lane's group best: key, node
-        best_node = 0 if lane == 0 else -1
+        best_node = int32(0)
 
-        count = 1
-        while count - 1 < budget:
+        count = uint32(1)
+        while count - uint32(1) < B32:
             # 2. global arg-max: one redux max, then the lowest lane holding it
             m = warp_max_u32(best_key)
             if m == 0:                              # frontier empty (uniform across the warp)
                 break
-            w = cuda.ffs(cuda.ballot_sync(FULL_MASK, best_key == m)) - 1
-            p = cuda.shfl_sync(FULL_MASK, best_node, w)
+            w = int32(cuda.ffs(cuda.ballot_sync(FULL_MASK, best_key == m)) - 1)
+            p = uint32(cuda.shfl_sync(FULL_MASK, best_node, w))
 
             # 3. pop candidate (p, r) as node c; every lane computes the same values
             s_pop = float_of_key(m)                 # exact: the key is a bijection
-            r = int32(next_rank[p])
-            dp = int32(depth_s[p])
+            r = uint32(next_rank[p])
+            dp = uint32(depth_s[p])
             c = count
             sib = uint32(0)                         # key of (p, r + 1)
-            if r + 1 < K:
-                sib = _candidate_key(score[p] + _log_prob(lp, lp_cache, b, dp, r + 1, R))
+            if r < last_rank:
+                sib = _candidate_key(score[p] + _log_prob(lp, lp_cache, b, dp, r + uint32(1),
+                                                          R32))
             child = uint32(0)                       # key of (c, 0)
-            if dp + 1 < L:
-                child = _candidate_key(s_pop + _log_prob(lp, lp_cache, b, dp + 1, 0, R))
+            if dp < last_depth:
+                child = _candidate_key(s_pop + _log_prob(lp, lp_cache, b, dp + uint32(1),
+                                                         uint32(0), R32))
             cuda.syncwarp(FULL_MASK)                # all reads of p's entries done before
             if lane == 0:                           # lane 0 overwrites them
                 cand[p] = sib
-                next_rank[p] = r + 1
+                next_rank[p] = r + uint32(1)
                 cand[c] = child
                 next_rank[c] = 0
                 score[c] = s_pop
-                depth_s[c] = dp + 1
+                depth_s[c] = dp + uint32(1)
                 parent_s[c] = p
                 rank_s[c] = r
-                if last_child[p] < 0:
+                last = last_child[p]
+                if last < 0:
                     first_child[p] = c
                 else:
-                    next_sib[last_child[p]] = c
+                    next_sib[uint32(last)] = c
                 last_child[p] = c
             cuda.syncwarp(FULL_MASK)                # new keys visible to every lane
 
             # 4. refresh the lane bests that changed. Group w lost its best: the warp rescans
             #    its 33 entries together, lane j taking entries 2j and 2j + 1 (contiguous, so
             #    the lowest lane holding the max holds the smallest node).
-            base = w * GROUP
-            q0 = base + 2 * lane
+            first = uint32(2) * lane32               # this lane's entries of group w
+            q0 = uint32(w) * uint32(GROUP) + first
             local_key = uint32(0)
-            local_node = -1
-            if 2 * lane < GROUP:
+            local_node = int32(0)
+            if first < uint32(GROUP):
                 local_key = cand[q0]
-                local_node = q0
-                if 2 * lane + 1 < GROUP and cand[q0 + 1] > local_key:
-                    local_key = cand[q0 + 1]
-                    local_node = q0 + 1
+                local_node = int32(q0)
+                if first + uint32(1) < uint32(GROUP) and cand[q0 + uint32(1)] > local_key:
+                    local_key = cand[q0 + uint32(1)]
+                    local_node = int32(q0 + uint32(1))
             group_max = warp_max_u32(local_key)
-            j = cuda.ffs(cuda.ballot_sync(FULL_MASK, local_key == group_max)) - 1
+            j = int32(cuda.ffs(cuda.ballot_sync(FULL_MASK, local_key == group_max)) - 1)
             group_node = cuda.shfl_sync(FULL_MASK, local_node, j)
             if lane == w:
                 best_key = group_max
                 best_node = group_node
-            elif lane == c // GROUP:                # c is the largest node of its group:
+            elif lane32 == c // uint32(GROUP):      # c is the largest node of its group:
                 if child > best_key:                # it wins only if strictly better
                     best_key = child
-                    best_node = c
-            count += 1
+                    best_node = int32(c)
+            count += uint32(1)
         if lane == 0:
             count_s[0] = count
     cuda.syncthreads()                              # the tree is complete before write-out
