@@ -3,12 +3,11 @@ nodes, numbering, depths, ranks and float32 scores, on random rows and on the ed
 within and across depths, rows of zeros, absorbed additions, -inf entries and rows, budget 0
 and 1, K = 1, L = 1); and no pop searches more corners than the model's bound."""
 
-import itertools
 import math
 
 import numpy as np
 import pytest
-from test_build_tree_levels import KINDS, sorted_rows
+from test_build_tree_levels import KINDS, LARGE_SIZES, SMALL_SIZES, sorted_rows
 
 from ddtree_numba.reference import best_first
 from ddtree_numba.reference.build_tree_corners import best_first_by_corners
@@ -28,14 +27,14 @@ def assert_same(lp, budget):
 @pytest.mark.parametrize("kind", KINDS)
 def test_equals_the_reference_on_every_kind_and_size(kind):
     rng = np.random.default_rng(10 + KINDS.index(kind))
-    for L, K, budget in itertools.product((1, 2, 5, 15), (1, 2, 7, 64), (0, 1, 2, 17, 64)):
+    for L, K, budget in SMALL_SIZES:
         assert_same(sorted_rows(rng, L, K, kind), budget)
 
 
 @pytest.mark.parametrize("kind", ("random", "zeros", "log_softmax"))
 def test_equals_the_reference_at_large_budgets(kind):
     rng = np.random.default_rng(17)
-    for L, K, budget in ((15, 256, 256), (15, 1024, 1024), (8, 64, 1055)):
+    for L, K, budget in LARGE_SIZES:
         assert_same(sorted_rows(rng, L, K, kind), budget)
 
 

@@ -13,6 +13,9 @@ from ddtree_numba.reference import best_first
 from ddtree_numba.reference.build_tree_levels import best_first_by_levels
 
 KINDS = ("random", "ties", "zeros", "neg_inf", "absorbed", "log_softmax")
+#: (L, K, budget): every small combination, then the large budgets
+SMALL_SIZES = list(itertools.product((1, 2, 5, 15), (1, 2, 7, 64), (0, 1, 2, 17, 64)))
+LARGE_SIZES = ((15, 256, 256), (15, 1024, 1024), (8, 64, 1055))
 
 
 def sorted_rows(rng, L, K, kind):
@@ -48,14 +51,14 @@ def assert_same(lp, budget):
 @pytest.mark.parametrize("kind", KINDS)
 def test_equals_the_reference_on_every_kind_and_size(kind):
     rng = np.random.default_rng(KINDS.index(kind))
-    for L, K, budget in itertools.product((1, 2, 5, 15), (1, 2, 7, 64), (0, 1, 2, 17, 64)):
+    for L, K, budget in SMALL_SIZES:
         assert_same(sorted_rows(rng, L, K, kind), budget)
 
 
 @pytest.mark.parametrize("kind", ("random", "zeros", "log_softmax"))
 def test_equals_the_reference_at_large_budgets(kind):
     rng = np.random.default_rng(7)
-    for L, K, budget in ((15, 256, 256), (15, 1024, 1024), (8, 64, 1055)):
+    for L, K, budget in LARGE_SIZES:
         candidates = assert_same(sorted_rows(rng, L, K, kind), budget)
         assert len(candidates) <= L
 
