@@ -1,6 +1,7 @@
 """accept_commit: greedy accept and KV commit in one launch, bit-exact to tree_accept then
-commit_kv (references) on one layer and on every layer of a 4-D cache; 16-bit caches; deep
-paths; unchecked garbage stays in bounds; bad input named; nothing changed on error."""
+commit_kv (references) on one layer and on every layer of a 4-D cache; 16-bit caches; paths
+of up to 44 moves; unchecked garbage stays in bounds; bad input named; nothing changed on
+error."""
 
 import numpy as np
 import pytest
@@ -14,16 +15,26 @@ FIELDS = ("accept_nodes", "accept_len", "accept_tokens", "bonus_token")
 
 
 def problem(seed, bs, N, layers, dtype, page_size=4, D=12):
-    """Random trees whose predictions follow a random child (deep paths), a random prefix per
-    request, and a shuffled paged cache of ``layers`` layers (None: one 3-D layer)."""
-    rng = np.random.default_rng(seed)
+    """Random trees whose predictions follow a random child (paths of a few nodes; seed
+    ``"chain"``: the path 0 -> 2 -> 4 -> ... with a leaf beside each step, accepted whole:
+    ``(N - 1) // 2`` moves ``a_i = 2 i``), a random prefix per request, and a shuffled paged
+    cache of ``layers`` layers (None: one 3-D layer)."""
+    chain = seed == "chain"
+    rng = np.random.default_rng(99 if chain else seed)
     parents, tokens = random_parents(rng, bs, N)
+    if chain:        # 0 -> 2 -> 4 -> ..., a leaf i + 1 beside each step: a_i = 2 i
+        i = np.arange(N)
+        parents = np.tile(np.where(i % 2 == 0, i - 2, i - 1).astype(np.int32), (bs, 1))
+        parents[:, 0] = -1
+        tokens = np.tile(np.arange(N, dtype=np.int32), (bs, 1))
     tree = ref.tree_from_parents(parents, tokens)
     predict = np.full((bs, N), 10**6, np.int32)
     for b in range(bs):
         for i in range(N):
             kids = np.flatnonzero(parents[b] == i)
-            if kids.size and rng.random() < 0.8:
+            if chain:
+                predict[b, i] = i + 2 if i + 2 < N else 10**6
+            elif kids.size and rng.random() < 0.8:
                 predict[b, i] = tree.token_ids[b, kids[rng.integers(0, kids.size)]]
     prefix = rng.integers(0, 20, bs).astype(np.int32)
     one, table = paged_cache(rng, bs, prefix, N, page_size=page_size, D=D, dtype=dtype)
@@ -51,6 +62,7 @@ def expected(tree, predict, cache, table, prefix):
     (6, 2, 30, 3, bfloat16, 13, 4),             # 26-byte rows: moved as uint16
     (7, 2, 25, 2, np.float32, 5, 4),            # 20-byte rows: moved as uint32
     (8, 2, 130, 2, np.float32, 12, 4),          # N > 3 x 32: the staging loop runs too
+    ("chain", 2, 90, 2, np.float32, 12, 4),     # 44 overlapping moves: several plan passes
 ])
 def test_equals_tree_accept_then_commit_kv(seed, bs, N, layers, dtype, D, page_size):
     tree, predict, cache, table, prefix = problem(seed, bs, N, layers, dtype,

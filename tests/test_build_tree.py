@@ -374,3 +374,17 @@ def test_tree_from_parents_refuses_a_capacity_whose_mask_the_host_cannot_hold():
     tokens = np.broadcast_to(np.int32(1), (1, n))
     with pytest.raises(ValueError, match=r"parents: expected .* got N=" + str(n)):
         ref.tree_from_parents(np.ascontiguousarray(parents), np.ascontiguousarray(tokens))
+
+
+@pytest.mark.parametrize("shape", [(1, 0, 4), (1, 3, 0)])
+def test_launch_select_refuses_rows_without_depths_or_ranks(shape):
+    """The select kernels bound their pops by ``L - 1`` and ``K - 1``: the benchmarks' direct
+    launcher refuses ``L = 0`` or ``K = 0`` by name instead of launching."""
+    import importlib
+
+    kbt = importlib.import_module("ddtree_numba.kernels.build_tree")
+    tree = kbt.allocate_tree(1, 2)
+    ranks = K.as_device(np.zeros((1, 2), np.int32))
+    lp = K.as_device(np.zeros(shape, np.float32))
+    with pytest.raises(ValueError, match=r"top_log_probs: expected \[bs, L, K\] with 1 <= L"):
+        kbt.launch_select("scan", lp, 1, tree, ranks)

@@ -147,6 +147,59 @@ def test_out_must_not_be_prefix_lens_and_zero_width_rows_still_give_lengths():
     assert host_values(K.commit_kv(narrow, table, prefix, nodes, lens)).tolist() == [3, 6]
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_long_paths_take_several_plan_passes_and_move_chunks(seed):
+    """Paths of 40 to 99 moves: more moves than a simulated block has threads (the plan is made
+    in several passes) and several chunks of eight moves a column."""
+    rng = np.random.default_rng(40 + seed)
+    bs, N = 2, 100
+    prefix = rng.integers(0, 30, bs).astype(np.int32)
+    cache, table = paged_cache(rng, bs, prefix, N, page_size=4, D=12)
+    nodes = np.tile(np.arange(N, dtype=np.int32), (bs, 1))     # a_i = i, then moves a_i > i
+    lens = np.array([int(rng.integers(40, N)), N - 1], np.int32)
+    for b in range(bs):
+        k = int(lens[b])
+        nodes[b, 1 : k + 1] = np.sort(rng.choice(np.arange(1, N), k, replace=False))
+        nodes[b, k + 1 :] = -1
+    want = expected(cache, table, prefix, nodes, lens)
+    got = cache.copy()
+    new = K.commit_kv(got, table, prefix, nodes, lens)
+    assert got.tobytes() == want.tobytes()
+    np.testing.assert_array_equal(new.copy_to_host(), prefix + lens + 1)
+
+
+def test_kernel_unchecked_garbage_stays_in_bounds():
+    """``check=False`` with path nodes, lengths and pages outside their ranges: no crash, the
+    new lengths clamp ``k`` to ``[0, N - 1]``, and the only rows written are destinations of
+    moves whose source and destination pass every check (which values they get is not
+    defined: unordered nodes break the read-before-write order)."""
+    rng = np.random.default_rng(3)
+    bs, N, page_size = 3, 50, 4
+    prefix = np.array([0, 5, 9], np.int32)
+    cache, table = paged_cache(rng, bs, prefix, N, page_size=page_size, D=8)
+    table[1, 2] = -7                                    # a page that is no page
+    table[2, 0] = cache.shape[0] + 3
+    nodes = rng.integers(-5, N + 5, (bs, N)).astype(np.int32)
+    lens = np.array([N + 10, 45, -3], np.int32)
+    d_cache = K.as_device(cache.copy())
+    new = K.commit_kv(d_cache, *(K.as_device(a) for a in (table, prefix, nodes, lens)),
+                      check=False)
+    np.testing.assert_array_equal(new.copy_to_host(), prefix + np.clip(lens, 0, N - 1) + 1)
+    writable = np.zeros(cache.shape[:2], bool)          # (page, offset) a move may write
+    capacity = table.shape[1] * page_size
+    for b in range(bs):
+        P = int(prefix[b])
+        for i in range(1, int(np.clip(lens[b], 0, N - 1)) + 1):
+            a = int(nodes[b, i])
+            src, dst = P + a, P + i
+            if 0 <= a < N and src < capacity and dst < capacity:
+                sp, dp = table[b, src // page_size], table[b, dst // page_size]
+                if 0 <= sp < cache.shape[0] and 0 <= dp < cache.shape[0]:
+                    writable[dp, dst % page_size] = True
+    changed = (d_cache.copy_to_host() != cache).any(axis=2)
+    assert changed.any() and not (changed & ~writable).any()
+
+
 def test_overlapping_moves_and_k0():
     """Path 0 -> 2 -> 3: move 1 reads the slot that move 2 writes (read-all-then-write)."""
     rng = np.random.default_rng(0)

@@ -290,3 +290,16 @@ def test_kernel_real_sizes(V, k, dtype, variant):
     x[1, 2, 100:] = -np.inf                             # fewer finite than k
     x[2, 4] = -np.inf                                   # all -inf: the ordered-ties path
     check_kernel(x, k, variant=variant)
+
+
+def test_the_default_takes_the_one_pass_kernel_where_it_was_measured_faster():
+    """``filtered_pays``: whole rows a block and at least 512 logits a row per kept one, for
+    float32 and bfloat16 alike (the simulator always takes the two-pass kernel, so the rule
+    itself is what CI can check)."""
+    from ddtree_numba.kernels.draft_topk import FILTER_MIN_V_PER_K, filtered_pays
+
+    assert filtered_pays(1, 163840, 256)
+    assert not filtered_pays(4, 163840, 256)                    # split rows (bs 1)
+    assert not filtered_pays(1, 32000, 256)                     # V / k = 125
+    assert filtered_pays(1, FILTER_MIN_V_PER_K * 16, 16)
+    assert not filtered_pays(1, FILTER_MIN_V_PER_K * 16 - 1, 16)

@@ -37,8 +37,8 @@ unsigned order = float order; key 0 = no candidate). Lane ``l`` owns the contigu
 
 So a pop costs two warp reductions and four dependent shared-memory round trips, whatever
 ``N``, with no block-wide barrier inside the loop (only ``syncwarp``). The loop's indices are
-``uint32``: numba adds a negative-index wrap to every signed index and compares sizes read from
-shapes in 64 bits. History: the first version rescanned the group serially in its owner lane
+unsigned, because numba adds a negative-index wrap to every signed index, and its bounds are
+precomputed. History: the first version rescanned the group serially in its owner lane
 (33 dependent loads) and reduced with a 5-step ``shfl_xor`` tree: 0.78 us per pop on the H200;
 now 0.59-0.71 us; see ``benchmarks/NOTES.md``. The other
 three warps of the block help with the set-up (initialise shared arrays, stage log-probs) and
@@ -201,10 +201,11 @@ def _select_warp_kernel(lp, budget, parents, depths, log_weights, next_token, ne
     cuda.syncthreads()                              # staging done before warp 0 reads it
 
     if tid < 32:
-        # The pops: node indices and sizes as uint32 (< 2**16 here), so that numba indexes
-        # shared memory without its negative-index wrap and compares in 32 bits (a size read
-        # from a shape is 64-bit). This loop is one warp's dependent chain, so every
-        # instruction in it is latency.
+        # The pops: node indices unsigned (< 2**16 here), so that numba indexes shared memory
+        # without its negative-index wrap, and the bounds precomputed (r < last_rank rather
+        # than r + 1 < K, whose 64-bit sum ptxas cannot narrow). numba still widens uint32
+        # arithmetic to 64 bits. This loop is one warp's dependent chain, so every instruction
+        # in it is latency.
         last_rank = uint32(K - 1)                   # a sibling exists while r < last_rank
         last_depth = uint32(L - 1)                  # a child exists while depth < last_depth
         R32 = uint32(R)
@@ -457,6 +458,9 @@ def launch_select(variant: str, lp, budget: int, tree: DraftTree, ranks) -> None
     if not 0 <= budget < N <= NODE_CAPACITY:       # the kernels' shared and local arrays
         raise ValueError(f"budget: expected 0 <= budget < N <= {NODE_CAPACITY} (N = {N}), "
                          f"got {budget}")
+    if not (1 <= lp.shape[1] <= MAX_DEPTH and lp.shape[2] >= 1):   # the pops' bounds
+        raise ValueError(f"top_log_probs: expected [bs, L, K] with 1 <= L <= {MAX_DEPTH} and "
+                         f"K >= 1, got {list(lp.shape)}")
     bs = lp.shape[0]
     node_table = (tree.parents, tree.depths, tree.log_weights, tree.next_token,
                   tree.next_sibling, ranks, tree.num_nodes)

@@ -460,8 +460,8 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, var
         a GPU with warp intrinsics, ``k <= 256`` and rows of whole 8-byte words:
         :func:`~ddtree_numba.kernels.draft_topk.filtered_applies`). Default: ``"filtered"``
         on a GPU where it applies and was measured faster
-        (:func:`~ddtree_numba.kernels.draft_topk.default_variant`: float32, whole rows a block
-        and ``V >= 512 k``), else ``"two_pass"`` (always on the simulator).
+        (:func:`~ddtree_numba.kernels.draft_topk.default_variant`: whole rows a block and
+        ``V >= 512 k``, float32 or bfloat16), else ``"two_pass"`` (always on the simulator).
 
     Returns
     -------

@@ -5,17 +5,19 @@ same nodes in the same order while searching only a small subset of that frontie
 warp could hold in registers; it is a numpy model of a GPU pop loop, not a second definition:
 ``tests/test_build_tree_corners.py`` checks it equal to ``best_first`` on the edge cases of
 ``build_tree`` (ties within and across depths, rows of zeros, ``-inf``, budget 0 and 1,
-``K = 1``, ``L = 1``) and measures how many corners a frontier holds.
+``K = 1``, ``L = 1``) and checks how many corners a frontier holds against the bound below.
 
 **The frontier.** Let ``taken[u]`` be how many children node ``u`` has so far. The reference's
 heap holds exactly one candidate per popped node ``u`` of depth ``< L`` with ``taken[u] < K``:
 its next child ``(u, taken[u])``, scored ``fl(s_u + lp[depth(u), taken[u]])``, if finite. Its
 key is ``(-score, u, rank)`` (``u`` is the parent's pop index).
 
-**Domination.** Take two parents ``u' < u`` of the same depth (``u'`` popped first, so
-``s_u' >= s_u``). They add the same row, so ``(u', r')`` with ``r' <= r`` scores at least
-``(u, r)`` (``fl`` is monotone, the row falls with the rank) and wins a tie by its parent: its
-key is smaller. Two consequences, by induction over the pops:
+**Domination.** Pops come in non-increasing score order (rows are sorted and log-probs are
+``<= 0``, so a candidate never outscores the node that pushed it). Take two parents ``u' < u``
+of the same depth (``u'`` popped first, so ``s_u' >= s_u``). They add the same row, so
+``(u', r')`` with ``r' <= r`` scores at least ``(u, r)`` (``fl`` is monotone, the row falls
+with the rank) and wins a tie by its parent: its key is smaller. Two consequences, by
+induction over the pops:
 
 * ``taken`` never rises along a level: ``taken[u'] >= taken[u]`` (``(u, r)`` pops only after
   ``(u', r)``). The taken children of a level form a staircase (a Young diagram) with the
@@ -29,15 +31,15 @@ So the next pop is the smallest key among the corners' candidates (``-inf`` ones
 they dominate is ``-inf`` too). A level has at most one corner per distinct ``taken`` value,
 so ``c`` corners need at least ``c (c - 1) / 2`` children below the level: at most about
 ``sqrt(2 n_d)`` corners for ``n_d`` children, at most ``sqrt(2 L B) + L`` in all (and in
-practice far fewer: the tests record the largest frontier).
+practice far fewer; the tests check the bound).
 
 **A pop** of ``(u, r)`` makes node ``c`` and changes three corners at most: ``u`` (``taken[u]``
 rose), the parent after ``u`` in its level (its predecessor's count rose) and ``c`` itself, the
-last parent of the next level (a corner iff it is the first there or its predecessor has a
-child). No other node's test reads a changed count. On a GPU that is a warp per request, its
-corners' keys in registers: a pop is a warp-wide minimum (two ``redux.sync``: the orderable
-score, then the tie fields) and three slot updates, instead of ``build_tree``'s scan of the
-whole frontier.
+last parent of the next level (a corner iff its depth is below ``L`` and it is the first there
+or its predecessor has a child). No other node's test reads a changed count. On a GPU that is
+a warp per request, its corners' keys in registers: a pop is a warp-wide minimum (two
+``redux.sync``: the orderable score, then the tie fields) and three slot updates, instead of
+``build_tree``'s rescans of 33-node groups in shared memory.
 """
 
 from __future__ import annotations
