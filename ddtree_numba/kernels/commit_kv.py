@@ -10,7 +10,7 @@ column, in chunks of ``CHUNK = 8`` moves held in registers (reads of a chunk, th
 ascending order: still the sequential semantics). No two threads touch the same element, so
 no barrier is needed between moves. A move's addresses (source and destination page and
 offset: two block-table lookups and 64-bit divisions by the page size) are the same for every
-column, so the block first *plans* them (:func:`plan_moves`: one thread a move, into shared
+column, so the block first *plans* them (``plan_moves``: one thread a move, into shared
 memory), then one barrier, then the columns move.
 
 Grid ``(ceil(D / COMMIT_THREADS), bs, layers)``, block ``(COMMIT_THREADS,)``: a stacked cache
@@ -85,7 +85,7 @@ def _write(kv_cache, plan, k, col, vals, i, j):
 @cuda.jit(device=True, inline=True)
 def commit_column(kv_cache, plan, k, col):
     """Moves ``1..k`` of one request for column ``col`` of a ``[num_pages, page_size, D]``
-    cache, by the addresses of :func:`plan_moves`. No other thread touches this column of
+    cache, by the addresses of ``plan_moves``. No other thread touches this column of
     these rows."""
     # Registers, not local memory: vals is only ever indexed by the literal j of the calls
     # below (spelled out rather than a loop, so that this holds whatever a compiler's

@@ -225,7 +225,7 @@ def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
 
 @cuda.jit(device=True, inline=True)
 def _compact_and_share(buf, base, n, floor, need, hist, hbase, lane, lanes_below, floor_b):
-    """:func:`_compact`, then the new floor shared with the block (a shared atomic max: any
+    """``_compact``, then the new floor shared with the block (a shared atomic max: any
     warp's floor is a valid one for all) and the filter's new cut, ``max(own floor, the
     block's)``. Returns ``(new n, new floor, cut)``."""
     n, floor = _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below)

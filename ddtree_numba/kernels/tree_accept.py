@@ -7,7 +7,7 @@ dependent global load per link followed. So each request gets one block that
 1. stages its four ``int32[N]`` rows (tokens, first child, next sibling, target prediction)
    into shared memory with coalesced loads by all threads          (4 N reads per request).
    Thread ``t`` holds entries ``t``, ``t + T`` and ``t + 2 T`` (``T`` threads): all twelve
-   loads are issued (:func:`load_rows`) before the first is stored, so the staging costs one
+   loads are issued (``load_rows``) before the first is stored, so the staging costs one
    DRAM latency, not one per round of a load-then-store loop;
 2. walks the lists from the root in thread 0, in shared memory (~30 cycles per link)
 3. writes ``accept_nodes`` / ``accept_tokens`` rows with all threads    (2 N writes)
@@ -33,7 +33,7 @@ from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream
 # 1024 threads: a walk's block stages its rows in one round of loads (with 128 the staging was
 # nine DRAM latencies: 11.3 us at bs 64, N 1025); accept_commit shares the staging with 512
 ACCEPT_THREADS = 32 if SIMULATOR else 1024
-#: Entries of each row a thread stages from registers (:func:`load_rows`, which spells out
+#: Entries of each row a thread stages from registers (``load_rows``, which spells out
 #: three); a block of ``T`` threads stages ``STAGE_ROUNDS * T`` of them so, and loads the rest
 #: one round at a time (only on the simulator, whose blocks are 32 threads).
 STAGE_ROUNDS = 3
@@ -71,7 +71,7 @@ def _load_entry(token_ids, next_token, next_sibling, target_predict, b, i, N):
 @cuda.jit(device=True, inline=True)
 def load_rows(token_ids, next_token, next_sibling, target_predict, b, tid, threads, N):
     """Phase 1's loads: entries ``tid + q * threads`` (``q < STAGE_ROUNDS``) of request ``b``'s
-    four rows, held in registers for :func:`greedy_walk` (spelled out, not a loop, so that
+    four rows, held in registers for ``greedy_walk`` (spelled out, not a loop, so that
     they stay registers whatever a compiler's unrolling heuristics decide)."""
     return (_load_entry(token_ids, next_token, next_sibling, target_predict, b, tid, N),
             _load_entry(token_ids, next_token, next_sibling, target_predict, b,
@@ -89,7 +89,7 @@ def _store_entry(entry, i, N, tok, first, sib, pred):
 @cuda.jit(device=True, inline=True)
 def greedy_walk(token_ids, next_token, next_sibling, target_predict, held, b, tid, threads,
                 N, tok, path, result):
-    """Phases 1 and 2 (all threads call it, ``held`` from :func:`load_rows`): stage request
+    """Phases 1 and 2 (all threads call it, ``held`` from ``load_rows``): stage request
     ``b``'s rows into shared memory and walk them in thread 0. Afterwards every thread sees
     the path ``path[0..k]``, ``result[0] = k`` and ``result[1]`` the bonus token, and ``tok``
     holds the node tokens."""
