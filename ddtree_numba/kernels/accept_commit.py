@@ -18,7 +18,8 @@ threads a block, and every block of request ``b``:
 2. block ``part = 0`` only: writes the ``AcceptResult`` rows (``tree_accept.write_accept_rows``)
    and ``new_prefix_lens[b] = P + k + 1``;
 3. plans the moves as ``commit_kv`` does (``commit_kv.plan_moves``: each move's source and
-   destination page and offset, computed once, by one thread a move, into shared memory;
+   destination page and offset, computed once, by one thread a move, into shared memory, all
+   of them at once;
    the 64-bit divisions of these addresses, made by every column's thread, were most of this
    kernel's instructions), then makes its share of them. The cache is read as words
    (``uint64`` where a row's bytes allow, else the element's bits: a move is a copy, not
@@ -29,10 +30,10 @@ threads a block, and every block of request ``b``:
    ascending order). The launcher picks ``parts = ceil(items / T)``: one item per thread.
 
 Phase 3 has one barrier, after the plan: no two threads (of any block) touch the same word,
-and the path and the window were complete at the walk's last barrier. ``kv_cache`` is one layer
-``[num_pages, page_size, D]`` or all of them, ``[layers, num_pages, page_size, D]`` (the toy
-and DeepSeek-V3 targets keep theirs so). Unchecked inputs stay in bounds as in the two
-kernels it joins (links outside ``[1, N)`` end a list, every cache address is checked, window
+and the path and the window were complete at the walk's last barrier. ``kv_cache`` is
+one layer ``[num_pages, page_size, D]`` or all of them, ``[layers, num_pages, page_size, D]``
+(the toy and DeepSeek-V3 targets keep theirs so). Unchecked inputs stay in bounds as in the
+two kernels it joins (links outside ``[1, N)`` end a list, every cache address is checked, window
 entries past the block-table row are ``-1``, a prefix that is no valid start commits nothing
 and keeps its length).
 """
@@ -95,9 +96,11 @@ def _accept_commit_kernel(token_ids, next_token, next_sibling, target_predict, k
             new_prefix_lens[b] = P + k + 1 if valid else P
     if not valid:                                   # (the same for the whole block)
         return
-    plan = cuda.shared.array((4, MAX_NODES), int32)  # 3. the moves' rows, then the moves
+    # 3. the moves' rows, all k of them at once (k <= N - 1 < MAX_NODES; 16.9 KB: this kernel's
+    # 512-thread blocks fit two an SM with it), then the moves
+    plan = cuda.shared.array((4, MAX_NODES), int32)
     paging = (pages, first_page, int64(block_table.shape[1]) * page_size)
-    plan_moves(paging, path, N, P, k, kv_words.shape[1], page_size, plan, tid, threads)
+    plan_moves(paging, path, N, P, 0, k, kv_words.shape[1], page_size, plan, tid, threads)
     cuda.syncthreads()                              # the plan complete before any move
     words = kv_words.shape[3]
     for item in range(part * threads + tid, kv_words.shape[0] * words,

@@ -11,7 +11,10 @@ ascending order: still the sequential semantics). No two threads touch the same 
 no barrier is needed between moves. A move's addresses (source and destination page and
 offset: two block-table lookups and 64-bit divisions by the page size) are the same for every
 column, so the block first *plans* them (``plan_moves``: one thread a move, into shared
-memory), then one barrier, then the columns move.
+memory, ``PLAN_MOVES`` at a time), then one barrier, then the columns move (and a barrier
+before the next round of the plan, when there is one). Rounds in ascending order keep the
+sequential semantics: a later round's reads never see an earlier round's writes (``a_j >= j
+> i``), and an earlier round read its sources before any later round writes.
 
 Grid ``(ceil(D / COMMIT_THREADS), bs, layers)``, block ``(COMMIT_THREADS,)``: a stacked cache
 ``[layers, num_pages, page_size, D]`` (every layer of a target in one array) commits all its
@@ -34,27 +37,33 @@ import math
 import numpy as np
 from numba import cuda, int32, int64
 
-from ..limits import MAX_NODES, MAX_POSITION
+from ..limits import MAX_POSITION
 from ..validation import check_commit_kv, require_new_lengths
 from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream
 
 COMMIT_THREADS = 32 if SIMULATOR else 128
 CHUNK = 8       # moves in flight per thread: k <= L <= 15 in DDTree, so one or two chunks
+# Moves planned at a time (a plan of 1 KB; k <= L <= 15 in DDTree: one round). A plan of all
+# N - 1 possible moves (16.9 KB) took sm_120 from 9 blocks an SM to 5. The simulator plans 16
+# so that its tests take several rounds.
+PLAN_MOVES = 16 if SIMULATOR else 64
 
 
 @cuda.jit(device=True, inline=True)
-def plan_moves(paging, nodes, N, P, k, num_pages, page_size, plan, tid, threads):
-    """All threads of a block: the addresses of one request's moves ``1..k`` into ``plan``
-    (shared ``int32[4, >= k]``): move ``i`` (slot ``P + a_i`` to slot ``P + i``, ``a_i =
-    nodes[i]``) reads row ``(plan[0, i - 1], plan[1, i - 1])`` (page, offset in the page) and
-    writes row ``(plan[2, i - 1], plan[3, i - 1])``; ``plan[0, i - 1] = -1``: no move (an
-    address failed its check). ``paging = (pages, first_page, capacity)``: slot ``s`` (``0 <=
-    s < capacity``) is on page ``pages[s // page_size - first_page]``. A move is the same for
-    every column, so its divisions (64-bit, a few dozen instructions each) are made once here
-    and not by every column's thread; the caller's barrier publishes the plan."""
+def plan_moves(paging, nodes, N, P, first, count, num_pages, page_size, plan, tid, threads):
+    """All threads of a block: the addresses of one request's moves ``first + 1 .. first +
+    count`` (``count <= PLAN_MOVES``) into ``plan`` (shared ``int32[4, PLAN_MOVES]``): move
+    ``i`` (slot ``P + a_i`` to slot ``P + i``, ``a_i = nodes[i]``), entry ``j = i - first -
+    1``, reads row ``(plan[0, j], plan[1, j])`` (page, offset in the page) and writes row
+    ``(plan[2, j], plan[3, j])``; ``plan[0, j] = -1``: no move (an address failed its check).
+    ``paging = (pages, first_page, capacity)``: slot ``s`` (``0 <= s < capacity``) is on page
+    ``pages[s // page_size - first_page]``. A move is the same for every column, so its
+    divisions (64-bit, a few dozen instructions each) are made once here and not by every
+    column's thread; the caller's barrier publishes the plan."""
     pages, first_page, capacity = paging
-    for i in range(1 + tid, k + 1, threads):
-        plan[0, i - 1] = -1
+    for j in range(tid, count, threads):
+        plan[0, j] = -1
+        i = first + j + 1
         a = nodes[i]
         src = P + a
         dst = P + i
@@ -62,31 +71,30 @@ def plan_moves(paging, nodes, N, P, k, num_pages, page_size, plan, tid, threads)
             src_page = pages[src // page_size - first_page]
             dst_page = pages[dst // page_size - first_page]
             if 0 <= src_page < num_pages and 0 <= dst_page < num_pages:
-                plan[0, i - 1] = src_page
-                plan[1, i - 1] = src % page_size
-                plan[2, i - 1] = dst_page
-                plan[3, i - 1] = dst % page_size
+                plan[0, j] = src_page
+                plan[1, j] = src % page_size
+                plan[2, j] = dst_page
+                plan[3, j] = dst % page_size
 
 
 @cuda.jit(device=True, inline=True)
 def _read(kv_cache, plan, k, col, vals, i, j):
-    """Move ``i + 1``'s value (plan entry ``i``) into ``vals[j]``, if it moves."""
+    """Plan entry ``i``'s value into ``vals[j]``, if it moves."""
     if i < k and plan[0, i] >= 0:
         vals[j] = kv_cache[plan[0, i], plan[1, i], col]
 
 
 @cuda.jit(device=True, inline=True)
 def _write(kv_cache, plan, k, col, vals, i, j):
-    """Write ``vals[j]`` to move ``i + 1``'s destination, if it moves."""
+    """Write ``vals[j]`` to plan entry ``i``'s destination, if it moves."""
     if i < k and plan[0, i] >= 0:
         kv_cache[plan[2, i], plan[3, i], col] = vals[j]
 
 
 @cuda.jit(device=True, inline=True)
 def commit_column(kv_cache, plan, k, col):
-    """Moves ``1..k`` of one request for column ``col`` of a ``[num_pages, page_size, D]``
-    cache, by the addresses of ``plan_moves``. No other thread touches this column of
-    these rows."""
+    """The ``k`` planned moves (``plan_moves``) of one request for column ``col`` of a
+    ``[num_pages, page_size, D]`` cache. No other thread touches this column of these rows."""
     # Registers, not local memory: vals is only ever indexed by the literal j of the calls
     # below (spelled out rather than a loop, so that this holds whatever a compiler's
     # unrolling heuristics decide; CUDA 13.0's NVVM left a loop here rolled for sm_120 and
@@ -136,15 +144,19 @@ def _commit_kv_kernel(kv_layers, block_table, prefix_lens, accept_nodes, accept_
         return
     if writer:
         new_prefix_lens[b] = P + k + 1              # <= P + N <= MAX_POSITION
-    plan = cuda.shared.array((4, MAX_NODES), int32)
+    plan = cuda.shared.array((4, PLAN_MOVES), int32)
     num_pages, page_size = kv_layers.shape[1], kv_layers.shape[2]
     paging = (block_table[b], int64(0), int64(block_table.shape[1]) * page_size)
-    plan_moves(paging, accept_nodes[b], N, P, k, num_pages, page_size, plan,
-               cuda.threadIdx.x, cuda.blockDim.x)
-    cuda.syncthreads()                              # the plan complete before any move
     # the grid has a layer even for a stack of none, whose requests still get their lengths
-    if layer < kv_layers.shape[0] and col < kv_layers.shape[3]:
-        commit_column(kv_layers[layer], plan, k, col)   # [num_pages, page_size, D], a view
+    moves = layer < kv_layers.shape[0] and col < kv_layers.shape[3]
+    for first in range(0, k, PLAN_MOVES):           # (k is the same for the whole block)
+        count = min(PLAN_MOVES, k - first)
+        plan_moves(paging, accept_nodes[b], N, P, first, count, num_pages, page_size, plan,
+                   cuda.threadIdx.x, cuda.blockDim.x)
+        cuda.syncthreads()                          # the plan complete before any move
+        if moves:                                   # kv_layers[layer]: [num_pages, ...], a view
+            commit_column(kv_layers[layer], plan, count, col)
+        cuda.syncthreads()                          # moves done before the plan is replaced
 
 
 def commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len, *, check=None,
@@ -159,8 +171,7 @@ def commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len, *, c
         in place. A numpy cache is copied to the device, updated there and copied back (for
         tests and the simulator).
     block_table, prefix_lens, accept_nodes, accept_len : array
-        As in :func:`ddtree_numba.reference.commit_kv`; ``N <= 1056`` (``MAX_NODES``, as
-        every GPU tree).
+        As in :func:`ddtree_numba.reference.commit_kv`.
     check : bool, optional
         Run the value checks (paths, pages). Default: on for numpy inputs only.
     out : device array, optional
@@ -173,8 +184,6 @@ def commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len, *, c
     """
     sz = check_commit_kv(kv_cache, block_table, prefix_lens, accept_nodes, accept_len,
                          check=check)
-    if sz.N > MAX_NODES:                            # the kernel plans a request's moves in
-        raise ValueError(f"accept_nodes: expected N <= {MAX_NODES} nodes, got N = {sz.N}")
     host_cache = kv_cache if isinstance(kv_cache, np.ndarray) else None
     cache = as_device(kv_cache)
     if cache.dtype.itemsize == 2:
