@@ -3,8 +3,9 @@
 Configurations: bs in {1, 8, 64}, budget in {64, 256, 1024}, L = 15, K = min(budget, 1024).
 Inputs are the top-K of random drafter logits (scaled so the drafter is fairly confident).
 
-* ``gpu_warp``: the kernel (select + finish launches), device time of a graph replay;
-  ``levels_select_us``: the select phase of the ``"levels"`` variant alone (checked exact).
+* ``gpu``: the kernel (select + finish launches, the default ``"corners"`` select), device
+  time of a graph replay; ``corners_select_us``, ``warp_select_us``, ``levels_select_us``: the
+  select phase alone of each variant (each checked exact, with the finish).
 * ``numpy_ref``: reference.build_tree, plus the copies a CPU path needs (top-K device -> host,
   the tree's arrays host -> device), wall clock.
 * ``python_heap``: a per-request Python heap, the way published DDTree ports build the tree on
@@ -90,16 +91,18 @@ def main(quick: bool = False):
                              scratch=scratch)
 
             gpu = bench.time_device(launch, reps=30)
-            select = bench.time_device(
-                lambda: kbt.launch_select("warp", d_lp, budget, out, scratch), reps=30)
-            levels = bench.time_device(
-                lambda: kbt.launch_select("levels", d_lp, budget, out, scratch), reps=30)
-            # the levels select, then the finish, against the reference: every field
+            selects = {variant: bench.time_device(
+                lambda variant=variant: kbt.launch_select(variant, d_lp, budget, out, scratch),
+                reps=30) for variant in ("warp", "corners", "levels")}
+            warp, corners, levels = selects["warp"], selects["corners"], selects["levels"]
+            # each select, then the finish, against the reference: every field
             want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
-            kbt.launch_select("levels", d_lp, budget, out, scratch)
-            kbt.launch_finish(d_ids, d_roots, d_prefix, True, out, scratch)
-            cp.cuda.Device().synchronize()
-            levels_exact = same_tree(out, want)
+            exact_by_variant = {}
+            for variant in selects:
+                kbt.launch_select(variant, d_lp, budget, out, scratch)
+                kbt.launch_finish(d_ids, d_roots, d_prefix, True, out, scratch)
+                cp.cuda.Device().synchronize()
+                exact_by_variant[variant] = same_tree(out, want)
             host = bench.time_host(launch, reps=10, sync=False)     # the default variant
             cp.cuda.Device().synchronize()
             exact = same_tree(out, want)
@@ -122,18 +125,23 @@ def main(quick: bool = False):
             heap_t = bench.time_host(heap_path, reps=reps)
             pops = float(want.num_nodes.max() - 1)
             bench.add(bs=bs, budget=budget, L=L, K=Kk, gpu_us=gpu["ms"] * 1e3,
-                      select_us=select["ms"] * 1e3, finish_us=(gpu["ms"] - select["ms"]) * 1e3,
-                      levels_select_us=levels["ms"] * 1e3, levels_exact=levels_exact,
-                      ns_per_pop=select["ms"] * 1e6 / max(pops, 1),
+                      corners_select_us=corners["ms"] * 1e3, warp_select_us=warp["ms"] * 1e3,
+                      finish_us=(gpu["ms"] - corners["ms"]) * 1e3,
+                      corners_exact=exact_by_variant["corners"],
+                      levels_select_us=levels["ms"] * 1e3, levels_exact=exact_by_variant["levels"],
+                      warp_exact=exact_by_variant["warp"],
+                      corners_ns_per_pop=corners["ms"] * 1e6 / max(pops, 1),
+                      warp_ns_per_pop=warp["ms"] * 1e6 / max(pops, 1),
                       gpu_us_min=gpu["ms_min"] * 1e3, host_launch_us=host["ms"] * 1e3,
                       numpy_ref_us=np_t["ms"] * 1e3, python_heap_us=heap_t["ms"] * 1e3,
                       speedup_vs_heap=heap_t["ms"] / gpu["ms"], bit_exact=exact,
                       mean_nodes=float(want.num_nodes.mean()))
     path = bench.write_csv()
-    print_table(bench.rows, ["bs", "budget", "K", "gpu_us", "select_us", "levels_select_us",
-                             "levels_exact", "finish_us",
-                             "ns_per_pop", "host_launch_us", "numpy_ref_us",
-                             "python_heap_us", "speedup_vs_heap", "bit_exact"],
+    print_table(bench.rows, ["bs", "budget", "K", "gpu_us", "corners_select_us",
+                             "warp_select_us", "levels_select_us", "corners_exact", "warp_exact",
+                             "levels_exact", "finish_us", "corners_ns_per_pop",
+                             "host_launch_us", "numpy_ref_us", "python_heap_us",
+                             "speedup_vs_heap", "bit_exact"],
                 f"build_tree on {bench.gpu}, {bench.date} (device time: graph replay median)")
     print(f"wrote {path}")
 

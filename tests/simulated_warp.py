@@ -106,11 +106,12 @@ def emulated_shuffles():
 
 
 def take_gpu_variant(monkeypatch, module_name: str) -> None:
-    """Let the launchers of ``module_name`` launch the GPU variant asked for on the simulator
-    (its ``resolve_variant`` refuses it there) and, where the module uses the ``redux.sync``
-    max, use the emulated one. Together with :func:`emulated_shuffles`."""
+    """Where ``module_name`` has a launcher, let it launch the GPU variant asked for on the
+    simulator (its ``resolve_variant`` refuses it there) and, where the module uses the
+    ``redux.sync`` max, use the emulated one. Together with :func:`emulated_shuffles`."""
     module = importlib.import_module(module_name)           # the module, not a same-named name
-    monkeypatch.setattr(module, "resolve_variant", lambda variant, **_: variant)
+    if hasattr(module, "resolve_variant"):
+        monkeypatch.setattr(module, "resolve_variant", lambda variant, **_: variant)
     if hasattr(module, "warp_max_u32"):
         monkeypatch.setattr(module, "warp_max_u32", warp_max_u32)
 

@@ -192,7 +192,7 @@ def assert_trees_equal(got: DraftTree, want: DraftTree):
 
 
 def kernel_variants():
-    return ["scan", "levels"] if K.SIMULATOR else ["scan", "warp", "levels"]
+    return ["scan", "levels"] if K.SIMULATOR else ["scan", "warp", "corners", "levels"]
 
 
 # 120 seeded inputs on a GPU; 20 on the simulator, where each takes some 5 s of a CI core
@@ -256,14 +256,16 @@ def test_levels_kernel_bit_exact_past_the_small_sizes():
 
 
 @pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated warp intrinsics")
+@pytest.mark.parametrize("variant", ["warp", "corners"])
 @pytest.mark.parametrize("case", ["random", "ties", "neg_inf", "edges"])
-def test_warp_select_on_emulated_warp_intrinsics(monkeypatch, case):
-    """The GPU's fast path (one warp pops with redux, ballot and shuffles; the block sets up
+def test_warp_selects_on_emulated_warp_intrinsics(monkeypatch, case, variant):
+    """The GPU's selects (one warp pops with redux, ballot and shuffles; the block sets up
     and writes out) on the simulator, through emulated warp intrinsics: bit-exact to the
     reference, as on the GPU."""
     from simulated_warp import emulated_shuffles, take_gpu_variant
 
     take_gpu_variant(monkeypatch, "ddtree_numba.kernels.build_tree")
+    take_gpu_variant(monkeypatch, "ddtree_numba.kernels.build_tree_corners")
     rng = np.random.default_rng(["random", "ties", "neg_inf", "edges"].index(case))
     if case == "edges":                             # budget 0 and 1, K = 1, L = 1, no prefix
         cases = [random_tree_inputs(rng, bs=2, **kw) for kw in (
@@ -276,7 +278,29 @@ def test_warp_select_on_emulated_warp_intrinsics(monkeypatch, case):
         for lp, ids, roots, budget, prefix in cases:
             want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
             assert_trees_equal(K.build_tree(lp, ids, roots, budget, prefix_lens=prefix,
-                                            variant="warp"), want)
+                                            variant=variant), want)
+
+
+@pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated warp intrinsics")
+def test_corners_select_unchecked_positive_log_probs_stay_in_bounds(monkeypatch):
+    """Log-probs > 0 break the staircase the corners select relies on; unchecked, its tree
+    is wrong but no index leaves its array (the simulator raises IndexError where a GPU would
+    touch memory out of bounds) and it stops within the budget."""
+    from numba import cuda
+    from simulated_warp import emulated_shuffles, take_gpu_variant
+
+    take_gpu_variant(monkeypatch, "ddtree_numba.kernels.build_tree")
+    take_gpu_variant(monkeypatch, "ddtree_numba.kernels.build_tree_corners")
+    rng = np.random.default_rng(4)
+    lp, ids = random_topk(rng, 2, 5, 8, V=16)
+    lp = np.ascontiguousarray(-lp[..., ::-1]) + 1.0            # ascending and positive
+    roots, prefix = np.array([1, 2], np.int32), np.array([0, 9], np.int32)
+    with emulated_shuffles():
+        tree = K.build_tree(cuda.to_device(lp), cuda.to_device(ids), cuda.to_device(roots), 20,
+                            prefix_lens=cuda.to_device(prefix), variant="corners")
+    parents = tree.parents.copy_to_host()
+    assert ((parents >= -1) & (parents < 21)).all()
+    assert (tree.num_nodes.copy_to_host() <= 21).all()
 
 
 @pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated shuffles")
@@ -320,7 +344,7 @@ def test_levels_kernel_unchecked_positive_log_probs_stay_in_bounds():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["warp", "levels"])
+@pytest.mark.parametrize("variant", ["warp", "corners", "levels"])
 @pytest.mark.parametrize("seed", range(200))
 def test_fast_kernels_bit_exact_at_real_sizes(seed, variant):
     rng = np.random.default_rng(5000 + seed)
@@ -335,6 +359,37 @@ def test_fast_kernels_bit_exact_at_real_sizes(seed, variant):
     want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
     assert_trees_equal(K.build_tree(lp, ids, roots, budget, prefix_lens=prefix,
                                     variant=variant), want)
+
+
+@pytest.mark.gpu
+def test_corners_select_exact_with_its_slots_nearly_full(monkeypatch):
+    """The corners select with the fewest slots (2 a lane, 64 a warp) on trees whose frontier
+    reaches 50 to 62 corners (the reference model counts them): the slot allocation near
+    capacity, where the lowest and the highest lane with an empty slot meet, is still exact.
+    (A pop adds at most two corners, so 62 before a pop fit in 64 after it.)"""
+    from ddtree_numba.kernels import build_tree_corners
+    from ddtree_numba.reference.build_tree_corners import best_first_by_corners
+
+    monkeypatch.setattr(build_tree_corners, "slots_per_lane", lambda L, budget: 2)
+    rng = np.random.default_rng(123)
+    found = 0
+    L, Kk, budget = 15, 1024, 1055
+    for _ in range(200):
+        # half-normal rows of a random width: about one in seven reaches 50 corners
+        x = -np.abs(rng.standard_normal((1, L, Kk)) * rng.uniform(1, 4))
+        lp = -np.sort(-x.astype(np.float32), axis=2)
+        ids = np.broadcast_to(np.arange(Kk, dtype=np.int32), (1, L, Kk)).copy()
+        _, most = best_first_by_corners(lp[0], budget)
+        if not 50 <= most <= 62:
+            continue
+        found += 1
+        roots, prefix = np.array([5], np.int32), np.array([17], np.int32)
+        want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
+        assert_trees_equal(K.build_tree(lp, ids, roots, budget, prefix_lens=prefix,
+                                        variant="corners"), want)
+        if found == 4:
+            break
+    assert found >= 1, "no input reached 50 corners: the test checked nothing"
 
 
 @pytest.mark.gpu

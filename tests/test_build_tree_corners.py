@@ -3,14 +3,12 @@ nodes, numbering, depths, ranks and float32 scores, on random rows and on the ed
 within and across depths, rows of zeros, absorbed additions, -inf entries and rows, budget 0
 and 1, K = 1, L = 1); and no pop searches more corners than the model's bound."""
 
-import math
-
 import numpy as np
 import pytest
 from test_build_tree_levels import KINDS, LARGE_SIZES, SMALL_SIZES, sorted_rows
 
 from ddtree_numba.reference import best_first
-from ddtree_numba.reference.build_tree_corners import best_first_by_corners
+from ddtree_numba.reference.build_tree_corners import best_first_by_corners, corner_bound
 
 
 def assert_same(lp, budget):
@@ -20,7 +18,7 @@ def assert_same(lp, budget):
         assert list(a) == list(b), name
     assert np.array_equal(np.array(want[3], np.float32), np.array(got[3], np.float32))
     L = lp.shape[0]
-    assert most <= math.sqrt(2 * L * max(budget, 1)) + L     # the docstring's bound
+    assert most <= corner_bound(L, budget)                   # the docstring's bound
     return most
 
 

@@ -207,12 +207,14 @@ def test_tree_from_parents_rejects():
 def test_kernel_variant_is_checked():
     a = good_tree_args()
     a["variant"] = "bogus"
-    with pytest.raises(ValueError, match=r"variant: expected one of \('scan', 'warp', 'levels'\)"):
+    with pytest.raises(ValueError, match=r"variant: expected one of "
+                                         r"\('scan', 'corners', 'warp', 'levels'\)"):
         call_build(K, a)
     if K.SIMULATOR:
-        a["variant"] = "warp"
-        with pytest.raises(ValueError, match="needs warp intrinsics"):
-            call_build(K, a)
+        for variant in ("corners", "warp"):
+            a["variant"] = variant
+            with pytest.raises(ValueError, match=f"'{variant}' needs warp intrinsics"):
+                call_build(K, a)
 
 
 # --------------------------------------------------------------------------------------------

@@ -210,16 +210,18 @@ def use_stream(stream):
         _stream_stack.pop()
 
 
-def resolve_variant(variant, *, readable: str, fast: str, anywhere: tuple = ()) -> str:
+def resolve_variant(variant, *, readable: str, fast: str, anywhere: tuple = (),
+                    gpu_only: tuple = ()) -> str:
     """The kernel variant to launch: ``fast`` on a GPU and ``readable`` on the simulator by
     default; asking for ``fast`` on the simulator (no warp intrinsics there) is an error.
-    ``anywhere``: other variants, which run on both and are taken only when asked for."""
+    ``anywhere``: other variants, which run on both and are taken only when asked for;
+    ``gpu_only``: other variants that, like ``fast``, need a GPU."""
     if variant is None:
         return readable if SIMULATOR else fast
-    known = (readable, fast, *anywhere)
+    known = (readable, fast, *gpu_only, *anywhere)
     if variant not in known:
         raise ValueError(f"variant: expected one of {known}, got {variant!r}")
-    if variant == fast and SIMULATOR:
-        raise ValueError(f"variant: {fast!r} needs warp intrinsics, which the CUDA simulator "
-                         f"lacks; use {readable!r}")
+    if SIMULATOR and (variant == fast or variant in gpu_only):
+        raise ValueError(f"variant: {variant!r} needs warp intrinsics, which the CUDA "
+                         f"simulator lacks; use {readable!r}")
     return variant

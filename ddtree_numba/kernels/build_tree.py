@@ -19,7 +19,10 @@ Launches (one batch, no host synchronisation, no per-request Python loop)::
 Select, variant ``"scan"`` (readable; the simulator path): one thread per request; each pop
 scans ``cand[0:count]`` for the arg-max, ``O(count)`` per pop and ``O(B^2)`` per tree.
 
-Select, variant ``"warp"`` (fast; GPU sm_80+, needs warp intrinsics): a two-level tournament
+Select, variant ``"corners"`` (the default on a GPU): the pops searched over the frontier's
+corners only, held in one warp's registers; :mod:`ddtree_numba.kernels.build_tree_corners`.
+
+Select, variant ``"warp"`` (GPU sm_80+, needs warp intrinsics): a two-level tournament
 run by one warp. Scores are compared as *orderable keys* (float32 bits mapped to uint32 so that
 unsigned order = float order; key 0 = no candidate). Lane ``l`` owns the contiguous node group
 ``[33 l, 33 l + 33)`` (``33 * 32 = 1056`` nodes, so ``N <= 1056``) and keeps its group's best
@@ -174,7 +177,6 @@ def _select_warp_kernel(lp, budget, parents, depths, log_weights, next_token, ne
     tid = cuda.threadIdx.x
     lane = tid % 32
     L, K = lp.shape[1], lp.shape[2]
-    N = parents.shape[1]
 
     cand = cuda.shared.array(NODE_CAPACITY, uint32)     # orderable key of p's candidate
     score = cuda.shared.array(NODE_CAPACITY, float32)
@@ -292,7 +294,18 @@ def _select_warp_kernel(lp, budget, parents, depths, log_weights, next_token, ne
     cuda.syncthreads()                              # the tree is complete before write-out
 
     # 5. coalesced write-out of rows [0, N), padding included
-    count = count_s[0]
+    write_node_table(b, tid, count_s[0], parent_s, depth_s, score, first_child, next_sib,
+                     rank_s, parents, depths, log_weights, next_token, next_sibling, ranks,
+                     num_nodes)
+
+
+@cuda.jit(device=True, inline=True)
+def write_node_table(b, tid, count, parent_s, depth_s, score, first_child, next_sib, rank_s,
+                     parents, depths, log_weights, next_token, next_sibling, ranks, num_nodes):
+    """Rows ``[0, N)`` of request ``b``'s node table from the shared arrays of a select kernel
+    of ``SELECT_THREADS`` threads (thread ``tid`` writes rows ``tid, tid + 128, ...``,
+    coalesced): the ``count`` nodes, then padding."""
+    N = parents.shape[1]
     if tid == 0:
         num_nodes[b] = count
     for i in range(tid, N, SELECT_THREADS):
@@ -414,9 +427,11 @@ def build_tree(top_log_probs, top_token_ids, root_token_ids, budget, *, prefix_l
         Run the value checks of ``validation.check_build_tree``. Default:
         on for numpy inputs, off for device inputs (they would need a host copy).
     variant : str, optional
-        ``"warp"`` (fast, GPU only) or ``"scan"`` (readable, simulator); default by platform.
-        ``"levels"``: the select level by level (:mod:`~ddtree_numba.kernels.build_tree_levels`;
-        not yet measured on a GPU).
+        ``"corners"`` (fast, GPU only: the pops over the frontier's corners, held in
+        registers; :mod:`~ddtree_numba.kernels.build_tree_corners`) or ``"scan"`` (readable,
+        simulator); default by platform. ``"warp"`` (GPU only): the pops over the whole
+        frontier, a two-level tournament in shared memory. ``"levels"``: the select level by
+        level (:mod:`~ddtree_numba.kernels.build_tree_levels`).
     out : DraftTree, optional
         Preallocated device buffers (:func:`~ddtree_numba.kernels.allocate_tree`) to fill,
         e.g. for graph capture.
@@ -436,7 +451,8 @@ def build_tree(top_log_probs, top_token_ids, root_token_ids, budget, *, prefix_l
                          f"got {budget}")
     if sz.L > MAX_DEPTH:
         raise ValueError(f"top_log_probs: expected L <= {MAX_DEPTH}, got L = {sz.L}")
-    variant = resolve_variant(variant, readable="scan", fast="warp", anywhere=("levels",))
+    variant = resolve_variant(variant, readable="scan", fast="corners", gpu_only=("warp",),
+                              anywhere=("levels",))
     lp = as_device(top_log_probs)
     ids = as_device(top_token_ids)
     roots = as_device(root_token_ids)
@@ -466,6 +482,11 @@ def launch_select(variant: str, lp, budget: int, tree: DraftTree, ranks) -> None
                   tree.next_sibling, ranks, tree.num_nodes)
     if variant == "warp":
         launch(_select_warp_kernel, bs, SELECT_THREADS, launch_stream())(lp, budget, *node_table)
+    elif variant == "corners":
+        from .build_tree_corners import corners_select_kernel, slots_per_lane
+
+        kernel = corners_select_kernel(slots_per_lane(lp.shape[1], budget))
+        launch(kernel, bs, SELECT_THREADS, launch_stream())(lp, budget, *node_table)
     elif variant == "levels":
         from .build_tree_levels import LEVEL_THREADS, _select_levels_kernel
 
@@ -490,6 +511,7 @@ def build_specs():
     from numba import types
 
     from ._specs import KernelSpec
+    from .build_tree_corners import SLOT_CHOICES, corners_select_kernel
     from .build_tree_levels import LEVEL_THREADS, _select_levels_kernel
 
     i1, i2, i3 = types.int32[::1], types.int32[:, ::1], types.int32[:, :, ::1]
@@ -500,6 +522,8 @@ def build_specs():
     return [
         KernelSpec("build_tree", "select scan", _select_scan_kernel, select, 1, False),
         KernelSpec("build_tree", "select warp", _select_warp_kernel, select, SELECT_THREADS, True),
+        *(KernelSpec("build_tree", f"select corners P={P}", corners_select_kernel(P), select,
+                     SELECT_THREADS, True) for P in SLOT_CHOICES),
         # not "fast" yet: a merge holds its elements in a 64-byte local array (dynamic index)
         KernelSpec("build_tree", "select levels", _select_levels_kernel, select, LEVEL_THREADS,
                    False),

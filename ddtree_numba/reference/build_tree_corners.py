@@ -44,7 +44,16 @@ a warp per request, its corners' keys in registers: a pop is a warp-wide minimum
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+
+
+def corner_bound(L: int, budget: int) -> int:
+    """The most corners a frontier can hold while a tree of ``budget`` nodes is built at depth
+    ``L``: ``L + floor(sqrt(2 L budget))`` (the module docstring), and never more than the
+    ``budget + 1`` nodes themselves."""
+    return min(budget + 1, L + math.isqrt(2 * L * budget))
 
 
 def best_first_by_corners(lp: np.ndarray, budget: int):
