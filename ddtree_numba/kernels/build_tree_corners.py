@@ -11,22 +11,19 @@ One block of ``SELECT_THREADS`` (128) threads per request; warp 0 pops, the whol
 and writes the node table out (as the ``"warp"`` variant). Warp 0 holds the corners in
 ``32 P`` *slots*, ``P`` a lane (``P`` in ``SLOT_CHOICES``, the smallest with ``32 P >=
 corner_bound(L, B)``; one kernel is compiled per ``P``, so that the slots are unrolled into
-registers). A slot holds one corner ``u`` and its candidate ``(u, taken[u])`` as one 64-bit
-value::
-
-    slot = orderable(score) << 32  |  0xFFFFFFFF - u          (0: an empty slot)
-
-so that the largest slot is the reference's next pop: the highest score, then the parent popped
-first (the smallest ``u``; two corners never share a parent, so the rank never decides). A
-``-inf`` candidate is never stored (what it dominates is ``-inf`` too). Each lane keeps the
-largest of its own ``P`` slots in ``best``.
+registers). Slot ``q`` of a lane holds one corner ``u`` and its candidate ``(u, taken[u])`` as
+two uint32 registers, ``slot_key[q]`` (the candidate score's orderable key; 0: an empty slot)
+and ``slot_node[q] = u``. The reference's next pop is the slot with the largest key, then the
+smallest ``u`` (the parent popped first; two corners never share a parent, so the rank never
+decides). A ``-inf`` candidate is never stored (what it dominates is ``-inf`` too). Each lane
+keeps its own best slot in ``best_key``, ``best_node``, ``best_q``.
 
 **A pop**, with every lane of warp 0 computing the same values (the warp is uniform except for
 its slots):
 
-1. ``hi`` = the warp's largest ``best >> 32`` (one ``redux.sync.max``); ``lo`` = the largest
-   low word among the lanes whose high word is ``hi`` (a second one): ``u = 0xFFFFFFFF - lo``,
-   the popped score is ``float(hi)``. ``hi == 0``: nothing finite is left.
+1. ``hi`` = the warp's largest ``best_key`` (one ``redux.sync.max``); ``lo`` = the largest
+   ``~best_node`` among the lanes whose key is ``hi`` (a second one): ``u = ~lo``, the popped
+   score is ``float(hi)``. ``hi == 0``: nothing finite is left.
 2. Two rounds of shared-memory loads: ``u``'s rank ``r = taken[u]``, depth ``d``, score,
    level neighbours ``pred[u]`` and ``succ[u]`` (the nodes of depth ``d`` popped just before and
    just after it) and newest child; then ``taken`` of both neighbours, ``succ``'s score, three
@@ -44,11 +41,11 @@ its slots):
    The next pop's reads need no second ``syncwarp``: a lane sees its own writes, and another
    lane's writes of this pop are the same values (its writes of earlier pops are ordered before
    this one's by the ``syncwarp``).
-5. The slots: the popped slot (in the one lane whose ``best`` it is) takes ``u``'s next
+5. The slots: the popped slot (in the one lane whose best it is) takes ``u``'s next
    candidate or, if ``u`` left the corners, the first new corner; other new corners go to the
    lowest and the highest lane with an empty slot (a ``ballot`` taken before the pop; when they
    are one lane, it has two empty slots, because ``32 P`` covers the bound after the pop). Each
-   lane then recomputes ``best`` over its ``P`` slots (unrolled: registers only).
+   lane then rebuilds its best slot over its ``P`` slots (unrolled: registers only).
 
 So a pop is two ``redux``, two dependent rounds of shared-memory loads and one ``syncwarp``,
 plus arithmetic on registers; no shared-memory frontier and no rescan.
@@ -60,9 +57,9 @@ tree is then wrong, but every index stays in bounds: ranks stay below ``K``, dep
 Shared memory (static, per block)::
 
     score                     float32[1056]   4.2 KB   node scores
-    taken, depth, parent, rank,
-    pred, succ, first_child,
-    next_sib, last_child        int16[1056]x9 19.0 KB   the tree and the level lists
+    node[TAKEN .. LAST_CHILD]   int16[9, 1056] 19.0 KB  the tree and the level lists: taken,
+                                                        depth, parent, rank, pred, succ,
+                                                        first_child, next_sib, last_child
     level_last, level_full      int16[65]x2    0.3 KB   per depth: newest node, has it a child
     lp_cache                  float32[4096]  16.4 KB   top_log_probs[b, d, r] for r < R
                                             -------
