@@ -283,9 +283,9 @@ def test_warp_selects_on_emulated_warp_intrinsics(monkeypatch, case, variant):
 
 @pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated warp intrinsics")
 def test_corners_select_unchecked_positive_log_probs_stay_in_bounds(monkeypatch):
-    """Log-probs > 0 break the staircase the corners select relies on; unchecked, its tree
-    is wrong but no index leaves its array (the simulator raises IndexError where a GPU would
-    touch memory out of bounds) and it stops within the budget."""
+    """Log-probs > 0, NaN or +inf break the staircase the corners select relies on;
+    unchecked, its tree is wrong but no index leaves its array (the simulator raises
+    IndexError where a GPU would touch memory out of bounds) and it stops within the budget."""
     from numba import cuda
     from simulated_warp import emulated_shuffles, take_gpu_variant
 
@@ -293,14 +293,24 @@ def test_corners_select_unchecked_positive_log_probs_stay_in_bounds(monkeypatch)
     take_gpu_variant(monkeypatch, "ddtree_numba.kernels.build_tree_corners")
     rng = np.random.default_rng(4)
     lp, ids = random_topk(rng, 2, 5, 8, V=16)
-    lp = np.ascontiguousarray(-lp[..., ::-1]) + 1.0            # ascending and positive
+    positive = np.ascontiguousarray(-lp[..., ::-1]) + 1.0      # ascending and positive
+    nan = lp.copy()
+    nan[:, 1:, 2] = np.nan                                       # NaN scores below depth 1
+    # +inf, and only 2 finite ranks a row, so that the budget outlasts the finite nodes and
+    # reaches the candidates past the last depth and rank, scored +inf + -inf = NaN
+    inf = np.ascontiguousarray(lp[:, :3, :4])
+    inf[:, :, 2:] = -np.inf
+    inf[:, 0, 0] = np.inf
     roots, prefix = np.array([1, 2], np.int32), np.array([0, 9], np.int32)
-    with emulated_shuffles():
-        tree = K.build_tree(cuda.to_device(lp), cuda.to_device(ids), cuda.to_device(roots), 20,
-                            prefix_lens=cuda.to_device(prefix), variant="corners")
-    parents = tree.parents.copy_to_host()
-    assert ((parents >= -1) & (parents < 21)).all()
-    assert (tree.num_nodes.copy_to_host() <= 21).all()
+    for bad in (positive, nan, inf):
+        L, Kk = bad.shape[1:]
+        with emulated_shuffles():
+            tree = K.build_tree(cuda.to_device(bad), cuda.to_device(ids[:, :L, :Kk].copy()),
+                                cuda.to_device(roots), 20, prefix_lens=cuda.to_device(prefix),
+                                variant="corners")
+        host = tree.to_host()
+        assert ((host.parents >= -1) & (host.parents < 21)).all()
+        assert (host.num_nodes <= 21).all() and (host.depths <= L).all()
 
 
 @pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated shuffles")

@@ -100,10 +100,11 @@ def slots_per_lane(L: int, budget: int) -> int:
 
 @cuda.jit(device=True, inline=True)
 def _finite_key(score):
-    """The orderable key of a candidate's score; 0 (no candidate) for ``-inf``. A select, not
-    a branch: this runs three times a pop on the warp's critical path."""
+    """The orderable key of a candidate's score; 0 (no candidate) for ``-inf`` and NaN (only
+    unchecked input makes a NaN: a ``+inf`` score plus a ``-inf`` log-prob). A select, not a
+    branch: this runs three times a pop on the warp's critical path."""
     key = key_of_float(score)
-    return key if score != NEG_INF else uint32(0)
+    return key if score > NEG_INF else uint32(0)
 
 
 @cache
@@ -128,7 +129,7 @@ def corners_select_kernel(P: int):
         count_s = cuda.shared.array(1, int32)
 
         # 1. set-up by the whole block: empty lists, the root, log-probs staged
-        R = min(K, LP_CACHE // L)                   # cached ranks per depth row (>= 64)
+        R = min(K, LP_CACHE // L)                   # cached ranks per depth row
         for i in range(tid, NODE_CAPACITY, SELECT_THREADS):
             node[TAKEN, i] = 0
             node[SUCC, i] = -1
@@ -209,14 +210,14 @@ def corners_select_kernel(P: int):
 
                 # 3. the three corners the pop changes; key 0: none (or -inf)
                 key_u = uint32(0)                   # u's next candidate (u, r + 1)
-                if before == NO_NODE or taken_before > r1:
+                if r < last_rank and (before == NO_NODE or taken_before > r1):
                     key_u = _finite_key(s_u + lp_next)
                 key_after = uint32(0)               # after's candidate (after, r)
                 if after != NO_NODE and taken_after == r:
                     key_after = _finite_key(s_after + lp_popped)
                 c = count                           # the new node; its candidate (c, 0)
                 key_c = uint32(0)
-                if newest == NO_NODE or has_child:
+                if d < last_depth and (newest == NO_NODE or has_child):
                     key_c = _finite_key(s_pop + lp_child)
 
                 # 4. the tree, written by every lane alike (the module docstring)
