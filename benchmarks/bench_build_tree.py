@@ -1,11 +1,12 @@
 """Benchmark: kernels.build_tree against the CPU paths published DDTree ports use.
 
-Configurations: bs in {1, 8, 64}, budget in {64, 256, 1024}, L = 15, K = min(budget, 1024).
+Configurations: bs in {1, 8, 64}, budget in {64, 128, 256, 1024}, L = 15, K = min(budget, 1024).
 Inputs are the top-K of random drafter logits (scaled so the drafter is fairly confident).
 
-* ``gpu``: the kernel (select + finish launches, the default ``"corners"`` select), device
-  time of a graph replay; ``corners_select_us``, ``warp_select_us``, ``levels_select_us``: the
-  select phase alone of each variant (each checked exact, with the finish).
+* ``gpu``: the kernel (select + finish launches, the default select), device
+  time of a graph replay; ``corners_select_us``, ``warp_select_us``, ``levels_select_us``,
+  ``threshold_select_us``: the select phase alone of each variant (each checked exact, with
+  the finish; the threshold select's time includes its fall-back launch).
 * ``numpy_ref``: reference.build_tree, plus the copies a CPU path needs (top-K device -> host,
   the tree's arrays host -> device), wall clock.
 * ``python_heap``: a per-request Python heap, the way published DDTree ports build the tree on
@@ -72,7 +73,7 @@ def main(quick: bool = False):
     bench = Bench("build_tree")
     rng = np.random.default_rng(0)
     L = 15
-    for budget in (64, 256, 1024):
+    for budget in (64, 128, 256, 1024):
         Kk = min(budget, 1024)
         for bs in (1, 8, 64):
             x = (rng.standard_normal((bs, L, Kk + 16)) * 3).astype(np.float32)
@@ -93,8 +94,10 @@ def main(quick: bool = False):
             gpu = bench.time_device(launch, reps=30)
             selects = {variant: bench.time_device(
                 lambda variant=variant: kbt.launch_select(variant, d_lp, budget, out, scratch),
-                reps=30) for variant in ("warp", "corners", "levels")}
+                reps=30) for variant in ("warp", "corners", "levels", "threshold")}
             warp, corners, levels = selects["warp"], selects["corners"], selects["levels"]
+            threshold = selects["threshold"]
+            default = "threshold" if budget >= kbt.THRESHOLD_FROM_BUDGET else "corners"
             # each select, then the finish, against the reference: every field
             want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
             exact_by_variant = {}
@@ -126,10 +129,13 @@ def main(quick: bool = False):
             pops = float(want.num_nodes.max() - 1)
             bench.add(bs=bs, budget=budget, L=L, K=Kk, gpu_us=gpu["ms"] * 1e3,
                       corners_select_us=corners["ms"] * 1e3, warp_select_us=warp["ms"] * 1e3,
-                      finish_us=(gpu["ms"] - corners["ms"]) * 1e3,
+                      default_select=default,
+                      finish_us=(gpu["ms"] - selects[default]["ms"]) * 1e3,
                       corners_exact=exact_by_variant["corners"],
                       levels_select_us=levels["ms"] * 1e3, levels_exact=exact_by_variant["levels"],
                       warp_exact=exact_by_variant["warp"],
+                      threshold_select_us=threshold["ms"] * 1e3,
+                      threshold_exact=exact_by_variant["threshold"],
                       corners_ns_per_pop=corners["ms"] * 1e6 / max(pops, 1),
                       warp_ns_per_pop=warp["ms"] * 1e6 / max(pops, 1),
                       gpu_us_min=gpu["ms_min"] * 1e3, host_launch_us=host["ms"] * 1e3,
@@ -138,8 +144,9 @@ def main(quick: bool = False):
                       mean_nodes=float(want.num_nodes.mean()))
     path = bench.write_csv()
     print_table(bench.rows, ["bs", "budget", "K", "gpu_us", "corners_select_us",
-                             "warp_select_us", "levels_select_us", "corners_exact", "warp_exact",
-                             "levels_exact", "finish_us", "corners_ns_per_pop",
+                             "warp_select_us", "levels_select_us", "threshold_select_us",
+                             "corners_exact", "warp_exact", "levels_exact", "threshold_exact",
+                             "default_select", "finish_us", "corners_ns_per_pop",
                              "host_launch_us", "numpy_ref_us", "python_heap_us",
                              "speedup_vs_heap", "bit_exact"],
                 f"build_tree on {bench.gpu}, {bench.date} (device time: graph replay median)")

@@ -137,11 +137,12 @@ def performance_figures(out: str) -> None:
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))   # beside the lines
         fig.savefig(os.path.join(out, "perf_build_tree.png"), dpi=110, bbox_inches="tight")
         plt.close(fig)
-        _table(rows, ["bs", "budget", "gpu_us", "corners_select_us", "warp_select_us",
-                      "levels_select_us", "corners_ns_per_pop", "python_heap_us",
-                      "speedup_vs_heap"],
-               ["bs", "budget", "kernel us", "corners select us", "warp select us",
-                "levels select us", "ns per pop (corners)", "Python heap us", "speed-up"],
+        _table(rows, ["bs", "budget", "gpu_us", "default_select", "threshold_select_us",
+                      "corners_select_us", "warp_select_us", "levels_select_us",
+                      "python_heap_us", "speedup_vs_heap"],
+               ["bs", "budget", "kernel us", "default select", "threshold select us",
+                "corners select us", "warp select us", "levels select us", "Python heap us",
+                "speed-up"],
                os.path.join(out, "perf_build_tree.md"))
 
     rows = _rows("verify_attn")

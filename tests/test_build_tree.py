@@ -192,7 +192,8 @@ def assert_trees_equal(got: DraftTree, want: DraftTree):
 
 
 def kernel_variants():
-    return ["scan", "levels"] if K.SIMULATOR else ["scan", "warp", "corners", "levels"]
+    return (["scan", "levels", "threshold"] if K.SIMULATOR
+            else ["scan", "warp", "corners", "levels", "threshold"])
 
 
 # 120 seeded inputs on a GPU; 20 on the simulator, where each takes some 5 s of a CI core
@@ -354,7 +355,7 @@ def test_levels_kernel_unchecked_positive_log_probs_stay_in_bounds():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["warp", "corners", "levels"])
+@pytest.mark.parametrize("variant", ["warp", "corners", "levels", "threshold"])
 @pytest.mark.parametrize("seed", range(200))
 def test_fast_kernels_bit_exact_at_real_sizes(seed, variant):
     rng = np.random.default_rng(5000 + seed)

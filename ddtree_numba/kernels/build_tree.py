@@ -81,6 +81,10 @@ GROUP = NODE_CAPACITY // 32         # nodes owned by one lane in the warp tourna
 LP_CACHE = 4096                     # float32 log-probs staged in shared memory per request
 SELECT_THREADS = 128                # warp variant: 1 warp pops, 4 warps set up and write out
 FINISH_ROWS = 32                    # tree rows per block of the finish kernel
+#: From this budget on, the default GPU select is ``"threshold"`` (no pops), below it
+#: ``"corners"`` (one pop at a time over the frontier's corners): the faster of the two on the
+#: H200 at every batch size of ``benchmarks/bench_build_tree.py`` (``benchmarks/NOTES.md``).
+THRESHOLD_FROM_BUDGET = 128
 FINISH_THREADS = 32 if SIMULATOR else 128   # the simulator runs one Python thread per thread
 NEG_INF = float32(-np.inf)
 
@@ -427,11 +431,14 @@ def build_tree(top_log_probs, top_token_ids, root_token_ids, budget, *, prefix_l
         Run the value checks of ``validation.check_build_tree``. Default:
         on for numpy inputs, off for device inputs (they would need a host copy).
     variant : str, optional
-        ``"corners"`` (fast, GPU only: the pops over the frontier's corners, held in
-        registers; :mod:`~ddtree_numba.kernels.build_tree_corners`) or ``"scan"`` (readable,
-        simulator); default by platform. ``"warp"`` (GPU only): the pops over the whole
-        frontier, a two-level tournament in shared memory. ``"levels"``: the select level by
-        level (:mod:`~ddtree_numba.kernels.build_tree_levels`).
+        Default by platform and budget: ``"scan"`` on the simulator (readable: one thread, a
+        linear arg-max per pop); on a GPU ``"corners"`` below ``THRESHOLD_FROM_BUDGET`` (the
+        pops over the frontier's corners, held in registers;
+        :mod:`~ddtree_numba.kernels.build_tree_corners`) and ``"threshold"`` from it on (no
+        pops: every node above a rising floor, sorted once;
+        :mod:`~ddtree_numba.kernels.build_tree_threshold`). Also ``"warp"`` (GPU only): the
+        pops over the whole frontier, a two-level tournament in shared memory; ``"levels"``:
+        the select level by level (:mod:`~ddtree_numba.kernels.build_tree_levels`).
     out : DraftTree, optional
         Preallocated device buffers (:func:`~ddtree_numba.kernels.allocate_tree`) to fill,
         e.g. for graph capture.
@@ -451,8 +458,10 @@ def build_tree(top_log_probs, top_token_ids, root_token_ids, budget, *, prefix_l
                          f"got {budget}")
     if sz.L > MAX_DEPTH:
         raise ValueError(f"top_log_probs: expected L <= {MAX_DEPTH}, got L = {sz.L}")
+    if variant is None and not SIMULATOR and budget >= THRESHOLD_FROM_BUDGET:
+        variant = "threshold"
     variant = resolve_variant(variant, readable="scan", fast="corners", gpu_only=("warp",),
-                              anywhere=("levels",))
+                              anywhere=("levels", "threshold"))
     lp = as_device(top_log_probs)
     ids = as_device(top_token_ids)
     roots = as_device(root_token_ids)
@@ -491,7 +500,15 @@ def launch_select(variant: str, lp, budget: int, tree: DraftTree, ranks) -> None
         from .build_tree_levels import LEVEL_THREADS, _select_levels_kernel
 
         launch(_select_levels_kernel, bs, LEVEL_THREADS, launch_stream())(lp, budget,
-                                                                           *node_table)
+                                                                           *node_table, False)
+    elif variant == "threshold":
+        from .build_tree_levels import LEVEL_THREADS, _select_levels_kernel
+        from .build_tree_threshold import THREADS, _select_threshold_kernel
+
+        launch(_select_threshold_kernel, bs, THREADS, launch_stream())(lp, budget, *node_table)
+        # the requests whose ties crowded the list (num_nodes[b] == -1), by the levels select
+        launch(_select_levels_kernel, bs, LEVEL_THREADS, launch_stream())(lp, budget,
+                                                                           *node_table, True)
     else:
         launch(_select_scan_kernel, bs, 1, launch_stream())(lp, budget, *node_table)
 
@@ -513,6 +530,7 @@ def build_specs():
     from ._specs import KernelSpec
     from .build_tree_corners import SLOT_CHOICES, corners_select_kernel
     from .build_tree_levels import LEVEL_THREADS, _select_levels_kernel
+    from .build_tree_threshold import THREADS, _select_threshold_kernel
 
     i1, i2, i3 = types.int32[::1], types.int32[:, ::1], types.int32[:, :, ::1]
     select = (types.float32[:, :, ::1], types.int64, i2, i2, types.float32[:, ::1], i2, i2, i2,
@@ -525,7 +543,9 @@ def build_specs():
         *(KernelSpec("build_tree", f"select corners P={P}", corners_select_kernel(P), select,
                      SELECT_THREADS, True) for P in SLOT_CHOICES),
         # not "fast" yet: a merge holds its elements in a 64-byte local array (dynamic index)
-        KernelSpec("build_tree", "select levels", _select_levels_kernel, select, LEVEL_THREADS,
-                   False),
+        KernelSpec("build_tree", "select levels", _select_levels_kernel,
+                   (*select, types.boolean), LEVEL_THREADS, False),
+        KernelSpec("build_tree", "select threshold", _select_threshold_kernel, select, THREADS,
+                   True),
         KernelSpec("build_tree", "finish", _finish_kernel, finish, FINISH_THREADS, True),
     ]

@@ -142,9 +142,13 @@ def _node_fields(key, depth, node, L, K):
 
 @kernel_for_block(LEVEL_THREADS)     # 1024 threads fit only at <= 64 registers each
 def _select_levels_kernel(lp, budget, parents, depths, log_weights, next_token, next_sibling,
-                          ranks, num_nodes):
-    """Grid ``(bs,)``, block ``(LEVEL_THREADS,)``; the node table of request ``b``."""
+                          ranks, num_nodes, redo_only):
+    """Grid ``(bs,)``, block ``(LEVEL_THREADS,)``; the node table of request ``b``. With
+    ``redo_only``, only of the requests the ``"threshold"`` select handed over (``num_nodes[b]
+    == -1``); the others' blocks return at once."""
     b = cuda.blockIdx.x
+    if redo_only and num_nodes[b] != -1:                   # uniform over the block
+        return
     tid = cuda.threadIdx.x
     T = cuda.blockDim.x
     L, K = lp.shape[1], lp.shape[2]

@@ -1,0 +1,398 @@
+"""``build_tree``'s select phase as everything above a rising floor: variant ``"threshold"``.
+
+The kernel of :mod:`ddtree_numba.reference.build_tree_threshold` (read its docstring first:
+the order, the floor, the width of a parent's children and why nothing the tree needs is
+dropped). No pops and no per-level sort: one block of ``THREADS`` threads per request
+materializes, level by level, every node that could still be in the tree into a list in
+shared memory, raises the floor by a radix select only when the list would overflow, and
+sorts what is left once.
+
+**The list** (shared memory, ``CAPACITY`` entries, in level order: each parent's children
+consecutive, in rank order): ``score`` (float32), ``parent`` (the parent's list index),
+``rank``, ``depth`` and ``mult`` (``m(u)``, the product of ``rank + 1`` along the path,
+capped at ``B + 1``; in the final phase the node's position). ``work`` (uint64) holds a
+level's per-parent child counts and their prefix sums, a compaction's keep flags, and at the
+end the sort keys.
+
+**A level** ``d`` (every thread runs the same loop; ``n``, ``start``, ``floor`` are computed
+alike by all, from block-wide sums):
+
+1. The next row ``lp[b, d + 1, :min(K, B)]`` is loaded into registers (``ROW_PER_THREAD`` a
+   thread) now and stored to ``lp_row`` at the level's end: its latency overlaps the level.
+2. *Count*: thread ``t`` takes parents ``start + t``, ``start + t + T``, ...; a binary search
+   over its row prefix of ``width = min(K, B // mult, B - d)`` ranks counts the children at or
+   above the floor into ``work[p - start]``; a block scan turns the counts into inclusive sums
+   (``M``, the level's total).
+3. *Overflow* (``n + M > CAPACITY``, the same decision in every thread): the floor rises to
+   the ``B``-th best key of the list (a radix select), the list is compacted, the children are
+   counted again; if they still do not fit, the same with the pending children included
+   (each one scored again where the select reads it, never stored); if they still do not fit,
+   ties crowd the list: ``num_nodes[b] = -1`` hands the request to the ``"levels"`` select,
+   launched next (it returns at once for every other request).
+4. *Expand*: warp ``w`` takes parents ``w``, ``w + T / 32``, ...; lane ``l`` writes ranks
+   ``l``, ``l + 32``, ... of the parent: its child ``r`` is node ``n + (exclusive sum) + r``
+   (no search; the row is read coalesced).
+
+**The end.** The floor rises to ``T``, the ``B``-th best score (if more than ``B`` non-root
+nodes are listed), the list is compacted, and the survivors are sorted by the 64-bit key
+``orderable(score) << 32 | ~((position of the parent + 1) << 12 | list index)`` (descending:
+score, then the earlier parent, then the earlier sibling), again with the positions found,
+until no two adjacent scores tie or the positions settle. Position ``j`` becomes node ``j``.
+
+**The radix select** of the ``k``-th largest key: four rounds of 8 bits, most significant
+first; a round zeroes a 256-bin histogram, counts the keys that match the digits found so far
+(shared ``atomic.add``), then one block scan over the bins (highest first) finds the bin that
+holds the ``k``-th key: 3 barriers and a pass over the keys a round.
+
+Shared memory (static): the list 22 528 B (``CAPACITY`` x 11 B), ``work`` 16 384 B, the row
+4 224 B, histogram 1 024 B, scan and flags under 100 B: 44.2 KB on a GPU (< 48 KB).
+"""
+
+from __future__ import annotations
+
+from numba import cuda, float32, int8, int16, int32, uint32, uint64
+
+from ..limits import MAX_NODES
+from ..reference.build_tree_threshold import CAPACITY as GPU_CAPACITY
+from ..reference.build_tree_threshold import FINITE_FLOOR as _FINITE_FLOOR
+from ._device import SIMULATOR, kernel_for_block
+from ._primitives import block_inclusive_scan, block_scan_scratch, key_of_float, sort_desc_any
+
+THREADS = 32 if SIMULATOR else 512
+# the simulator takes a small list, so that its tests overflow it and cover every path
+CAPACITY = 256 if SIMULATOR else GPU_CAPACITY
+PER_THREAD = CAPACITY // THREADS            # list entries a thread holds in a compaction
+ROW = MAX_NODES                             # a row's staged ranks: < min(K, B) <= 1055
+ROW_PER_THREAD = -(-ROW // THREADS)         # next-row values a thread prefetches
+BINS = 256                                  # the radix select's 8-bit digits
+SCAN_SCRATCH = block_scan_scratch(THREADS)
+FALLBACK = -1                               # num_nodes[b]: the "levels" select takes it
+FINITE_FLOOR = uint32(_FINITE_FLOOR)
+LOW = uint64(0xFFFFFFFF)
+assert CAPACITY % THREADS == 0 and CAPACITY & (CAPACITY - 1) == 0 and CAPACITY <= 4096
+assert BINS <= THREADS or BINS % THREADS == 0
+
+
+@cuda.jit(device=True, inline=True)
+def _scan_in_place(values, n, scratch, tid, T):
+    """``values[0:n]`` (uint64 holding int32 counts) -> their inclusive sums, in place; thread
+    ``t`` owns the span ``[t s, (t + 1) s)``, ``s = ceil(n / T)``. Returns the total. Ends
+    with a barrier."""
+    span = (n + T - 1) // T
+    first = tid * span
+    last = min(first + span, n)
+    own = int32(0)
+    for i in range(first, last):
+        own = int32(own + int32(values[i]))
+    inclusive, total = block_inclusive_scan(scratch, own, tid, T)   # ends with a barrier
+    before = int32(inclusive - own)
+    for i in range(first, last):
+        before = int32(before + int32(values[i]))
+        values[i] = uint64(before)
+    cuda.syncthreads()                      # the sums in place before anyone reads them
+    return int32(total)
+
+
+@cuda.jit(device=True, inline=True)
+def _parent_of(sums, P, j):
+    """``(u, r)``: child ``j`` of a level is rank ``r`` of parent ``u`` (``u < P``), where
+    ``sums[0:P]`` are the inclusive sums of the parents' counts: the first ``u`` with
+    ``sums[u] > j`` (a binary search)."""
+    lo = uint32(0)                          # unsigned: 32-bit index math, no wrap check
+    hi = uint32(P - 1)
+    while lo < hi:
+        mid = uint32((lo + hi) >> uint32(1))
+        if int32(sums[mid]) > j:
+            hi = mid
+        else:
+            lo = uint32(mid + uint32(1))
+    before = int32(sums[uint32(lo - uint32(1))]) if lo > uint32(0) else int32(0)
+    return int32(lo), int32(j - before)
+
+
+@cuda.jit(device=True, inline=True)
+def _count_children(score, mult, lp_row, work, scratch, start, n, d, K, B, floor, tid, T):
+    """Step 2: ``work[0:n - start]`` = the inclusive sums of the children at or above
+    ``floor`` of parents ``start .. n - 1``; returns their total ``M``."""
+    for p in range(start + tid, n, T):
+        width = min(K, B // int32(mult[p]), B - d)   # the ranks that can matter
+        s_p = score[p]
+        lo = uint32(0)
+        hi = uint32(max(width, 0))
+        while lo < hi:                                 # the first rank below the floor
+            mid = uint32((lo + hi) >> uint32(1))
+            if key_of_float(s_p + lp_row[mid]) >= floor:
+                lo = uint32(mid + uint32(1))
+            else:
+                hi = mid
+        work[p - start] = uint64(lo)
+    cuda.syncthreads()                                 # counts in place
+    return _scan_in_place(work, n - start, scratch, tid, T)
+
+
+@cuda.jit(device=True, inline=True)
+def _kth_largest(k, score, n, with_children, work, start, M, lp_row, hist, scratch, found,
+                 tid, T):
+    """The ``k``-th largest key among the list's non-root nodes and, ``with_children``, the
+    level's ``M`` pending children (scored where they are read; ``work`` holds the sums).
+    Needs at least ``k`` of them. Every thread returns the same key."""
+    prefix = uint32(0)
+    need = int32(k)
+    P = n - start
+    for round_ in range(4):
+        shift = uint32(24 - 8 * round_)
+        decided = uint32(~((uint64(1) << uint64(shift + uint32(8))) - uint64(1)) & LOW)
+        for i in range(tid, BINS, T):
+            hist[i] = 0
+        cuda.syncthreads()                  # the bins zeroed before any count
+        for i in range(1 + tid, n, T):      # the list (not the root)
+            key = key_of_float(score[i])
+            if key & decided == prefix:
+                cuda.atomic.add(hist, int32((key >> shift) & uint32(0xFF)), 1)
+        if with_children:
+            for j in range(tid, M, T):
+                u, r = _parent_of(work, P, j)
+                key = key_of_float(score[start + u] + lp_row[r])
+                if key & decided == prefix:
+                    cuda.atomic.add(hist, int32((key >> shift) & uint32(0xFF)), 1)
+        cuda.syncthreads()                  # every key counted
+        # the bin holding the k-th key: inclusive sums over the bins from the highest down
+        span = (BINS + T - 1) // T
+        first = tid * span
+        last = min(first + span, BINS)
+        own = int32(0)
+        for i in range(first, last):
+            own = int32(own + hist[BINS - 1 - i])
+        inclusive, _ = block_inclusive_scan(scratch, own, tid, T)   # ends with a barrier
+        before = int32(inclusive - own)
+        for i in range(first, last):
+            count = hist[BINS - 1 - i]
+            if before < need <= before + count:          # one thread, one bin
+                found[0] = int32(BINS - 1 - i)
+                found[1] = int32(need - before)
+            before = int32(before + count)
+        cuda.syncthreads()                  # the digit found before everyone reads it
+        prefix |= uint32(found[0]) << shift
+        need = found[1]
+        # (found is written again only after the next round's scan, whose barriers every
+        # thread reaches after reading it here)
+    return prefix
+
+
+@cuda.jit(device=True, inline=True)
+def _compact(floor, score, parent, rank, depth, mult, work, scratch, n, start, tid, T):
+    """Keep the root and the nodes at or above ``floor``, in order, parents re-pointed.
+    Returns the new ``(n, start)``."""
+    for i in range(tid, n, T):
+        work[i] = uint64(1) if i == 0 or key_of_float(score[i]) >= floor else uint64(0)
+    cuda.syncthreads()                      # flags in place
+    kept = _scan_in_place(work, n, scratch, tid, T)   # work[i]: kept nodes in 0 .. i
+    new_start = int32(work[start - 1]) if start > 0 else int32(0)
+    # read this thread's entries (registers: the loop unrolls), then write them after a
+    # barrier: an entry moves only down, possibly onto one another thread has not read yet
+    s_ = cuda.local.array(PER_THREAD, float32)
+    p_ = cuda.local.array(PER_THREAD, int16)
+    r_ = cuda.local.array(PER_THREAD, int16)
+    d_ = cuda.local.array(PER_THREAD, int8)
+    m_ = cuda.local.array(PER_THREAD, int16)
+    to = cuda.local.array(PER_THREAD, int32)
+    for q in range(PER_THREAD):
+        i = tid + q * T
+        to[q] = -1
+        if i < n and (i == 0 or key_of_float(score[i]) >= floor):
+            to[q] = int32(work[i]) - 1
+            s_[q] = score[i]
+            pp = int32(parent[i])
+            # a parent is never dropped (it scores at least its child); unchecked input
+            # that breaks that re-points the node at the kept node before its parent
+            p_[q] = int16(int32(work[pp]) - 1) if pp >= 0 else int16(-1)
+            r_[q] = rank[i]
+            d_[q] = depth[i]
+            m_[q] = mult[i]
+    cuda.syncthreads()                      # every entry read before any moves
+    for q in range(PER_THREAD):
+        c = to[q]
+        if c >= 0:
+            score[c] = s_[q]
+            parent[c] = p_[q]
+            rank[c] = r_[q]
+            depth[c] = d_[q]
+            mult[c] = m_[q]
+    cuda.syncthreads()                      # the compacted list in place
+    return kept, new_start
+
+
+@cuda.jit(device=True, inline=True)
+def _sort_key(score, parent_position, i):
+    """The descending-order key of list entry ``i`` (the module docstring)."""
+    low = uint64((parent_position + 1) * 4096 + i)
+    return (uint64(key_of_float(score)) << uint64(32)) | (LOW - low)
+
+
+@kernel_for_block(THREADS)
+def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_token,
+                             next_sibling, ranks, num_nodes):
+    """Grid ``(bs,)``, block ``(THREADS,)``; the node table of request ``b`` (or
+    ``num_nodes[b] = -1``: the fall-back takes it)."""
+    b = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    T = cuda.blockDim.x
+    L, K = lp.shape[1], lp.shape[2]
+    N = parents.shape[1]
+    B = int32(budget)
+    score = cuda.shared.array(CAPACITY, float32)
+    parent = cuda.shared.array(CAPACITY, int16)
+    rank = cuda.shared.array(CAPACITY, int16)
+    depth = cuda.shared.array(CAPACITY, int8)
+    mult = cuda.shared.array(CAPACITY, int16)      # m(u); in the end the node's position
+    work = cuda.shared.array(CAPACITY, uint64)     # counts and sums; keep flags; sort keys
+    lp_row = cuda.shared.array(ROW, float32)       # lp[b, d, :min(K, B)]
+    hist = cuda.shared.array(BINS, int32)
+    scratch = cuda.shared.array(SCAN_SCRATCH, int32)
+    found = cuda.shared.array(2, int32)            # the radix select's digit and rank
+    flags = cuda.shared.array(4, int32)            # the final sorts' "tie", "moved", by parity
+    ahead = cuda.local.array(ROW_PER_THREAD, float32)
+
+    width0 = min(K, B)                             # ranks ever read from a row
+    if tid == 0:                                   # the root
+        score[0] = float32(0.0)
+        parent[0] = -1
+        rank[0] = -1
+        depth[0] = 0
+        mult[0] = 1
+    for r in range(tid, width0, T):
+        lp_row[r] = lp[b, 0, r]
+    for i in range(tid, 4, T):
+        flags[i] = 0
+    cuda.syncthreads()                             # the root and row 0 in place
+
+    n = int32(1)                                   # list entries
+    start = int32(0)                               # the first node of depth d
+    floor = FINITE_FLOOR
+    fallback = B + 1 > CAPACITY
+    d = int32(0)
+    # One pass a level, then one for the end. Every thread takes the same branches (the
+    # decisions read only values that are alike in all of them), and each helper has one
+    # call site: the kernel's code stays small enough for the instruction cache.
+    while not fallback:
+        level = d < L and start < n                # False: the end, the floor at T
+        if level:
+            for q in range(ROW_PER_THREAD):        # 1. the next row, into registers
+                r = tid + q * T
+                ahead[q] = lp[b, d + 1, r] if d + 1 < L and r < width0 else float32(0.0)
+        # 2. count; 3. while the level does not fit, raise the floor: from the list alone
+        # (stage 0, if it holds B nodes), then with the pending children (stage 1). At the
+        # end, once from the list if it holds more than B nodes.
+        stage = 0 if n - 1 >= B else 1
+        while True:
+            M = int32(0)
+            if level:
+                M = _count_children(score, mult, lp_row, work, scratch, start, n, d, K, B,
+                                    floor, tid, T)
+            if level:
+                again = n + M > CAPACITY and stage < 2
+            else:
+                again = n - 1 > B and stage == 0
+            if not again:
+                break
+            floor = max(floor, _kth_largest(B, score, n, level and stage == 1, work, start, M,
+                                            lp_row, hist, scratch, found, tid, T))
+            n, start = _compact(floor, score, parent, rank, depth, mult, work, scratch, n,
+                                start, tid, T)
+            stage += 1
+        if not level:
+            break
+        if n + M > CAPACITY:                       # ties crowd the list
+            fallback = True
+            break
+        # 4. expand: warp w writes the children of parents w, w + T / 32, ...; lane l
+        #    writes ranks l, l + 32, ... of one (child r of parent u is node n + its
+        #    exclusive sum + r: no search, and a parent's row is read coalesced)
+        for u in range(tid >> 5, n - start, T >> 5):
+            first = int32(work[u - 1]) if u > 0 else int32(0)
+            p = uint32(start + u)
+            s_p = score[p]
+            m_p = int32(mult[p])
+            for r in range(tid & 31, int32(work[u]) - first, 32):
+                c = uint32(n + first + r)
+                score[c] = s_p + lp_row[r]         # one float32 rounding, as the reference
+                parent[c] = int16(p)
+                rank[c] = int16(r)
+                depth[c] = int8(d + 1)
+                mult[c] = int16(min(m_p * (r + 1), B + 1))
+        cuda.syncthreads()                         # the level written, lp_row read
+        for q in range(ROW_PER_THREAD):
+            r = tid + q * T
+            if r < width0:
+                lp_row[r] = ahead[q]
+        cuda.syncthreads()                         # the next row in place
+        start = n
+        n = int32(n + M)
+        d += 1
+
+    if fallback:                                   # uniform: no barrier is skipped
+        if tid == 0:
+            num_nodes[b] = FALLBACK
+        return
+
+    # the order: sort by (score, parent's position, index) until the positions settle
+    for i in range(tid, n, T):
+        mult[i] = int16(i)                         # positions: any start
+    cuda.syncthreads()                             # positions in place
+    for it in range(L + 2):
+        now = (it & 1) * 2                         # this sort's flags; the others reset
+        for i in range(tid, n, T):
+            pp = int32(parent[i])
+            work[i] = _sort_key(score[i], int32(mult[pp]) if pp >= 0 else int32(-1), i)
+        sort_desc_any(work, n, tid, T)             # barriers before and after
+        if tid == 0:                               # the next sort's flags: every thread
+            flags[2 - now] = 0                     # read them (last sort) before the
+            flags[3 - now] = 0                     # barriers above
+        for j in range(tid, n, T):
+            i = int32((LOW - (work[j] & LOW)) & uint64(0xFFF))
+            if j > 0 and (work[j] >> uint64(32)) == (work[j - 1] >> uint64(32)):
+                flags[now] = 1                     # two equal scores side by side
+            if int32(mult[i]) != j:
+                flags[now + 1] = 1                 # a position moved
+                mult[i] = int16(j)                 # (entry i is this thread's alone)
+        cuda.syncthreads()                         # flags and positions complete
+        if flags[now] == 0 or flags[now + 1] == 0:   # uniform
+            break
+
+    # the node table: position j is node j
+    nt = min(n, B + 1)
+    for j in range(tid, N, T):
+        next_token[b, j] = -1
+        if j < nt:
+            i = int32((LOW - (work[j] & LOW)) & uint64(0xFFF))
+            pp = int32(parent[i])
+            up = int32(mult[pp]) if pp >= 0 else int32(-1)
+            if j == 0:                             # node 0 has no parent; unchecked input
+                up = -1                            # (a log-prob > 0) can put another node
+            elif not 0 <= up < j:                  # first, whose parent then hangs under
+                up = 0                             # node 0: the tree is wrong, not cyclic
+            parents[b, j] = up
+            depths[b, j] = int32(depth[i])
+            log_weights[b, j] = score[i]
+            ranks[b, j] = int32(rank[i])
+            sib = -1                               # the next rank: the next entry, if kin
+            if j > 0 and i + 1 < n and int32(parent[i + 1]) == pp:
+                q = int32(mult[i + 1])
+                if q < nt:
+                    sib = q
+            next_sibling[b, j] = sib
+        else:
+            parents[b, j] = -1
+            depths[b, j] = -1
+            log_weights[b, j] = float32(-float("inf"))
+            ranks[b, j] = -1
+            next_sibling[b, j] = -1
+    if tid == 0:
+        num_nodes[b] = nt
+    cuda.syncthreads()                             # every next_token reset before the links
+    for j in range(1 + tid, nt, T):
+        i = int32((LOW - (work[j] & LOW)) & uint64(0xFFF))
+        pp = int32(parent[i])
+        up = int32(mult[pp]) if pp >= 0 else int32(0)
+        if rank[i] == 0 and 0 <= up < j:
+            next_token[b, up] = j

@@ -1,0 +1,153 @@
+"""The floor model of build_tree equals the reference's best-first pops (same nodes,
+numbering, depths, ranks and float32 scores) on random rows and on the edges, at capacities
+small enough that every path runs (both floor rises, the fall-back, repeated sorts); its radix
+select is exact; and the ``"threshold"`` kernel equals the reference on inputs that take each
+of those paths in the simulator's 256-entry list, and stays in bounds on unchecked input."""
+
+import numpy as np
+import pytest
+from cases import random_topk
+from test_build_tree import assert_trees_equal
+from test_build_tree_levels import KINDS, LARGE_SIZES, SMALL_SIZES, sorted_rows
+
+from ddtree_numba import kernels as K
+from ddtree_numba import reference as ref
+from ddtree_numba.reference import best_first
+from ddtree_numba.reference.build_tree_threshold import (
+    best_first_by_threshold,
+    kth_largest,
+    score_keys,
+)
+
+
+def same_as_reference(lp, budget, capacity):
+    """The model's tree equals best_first's (``None``: it fell back); returns its stats."""
+    got, stats = best_first_by_threshold(lp, budget, capacity)
+    if got is not None:
+        want = best_first(lp, budget)
+        for name, a, b in zip(("parents", "depths", "ranks"), want[:3], got[:3], strict=True):
+            assert list(a) == list(b), name
+        assert np.array_equal(np.array(want[3], np.float32), np.array(got[3], np.float32))
+        assert stats["most"] <= capacity
+    return got is not None, stats
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_equals_the_reference_on_every_kind_size_and_capacity(kind):
+    rng = np.random.default_rng(KINDS.index(kind))
+    seen = {"select": 0, "fallback": 0, "resort": 0}
+    for L, K_, budget in SMALL_SIZES:
+        lp = sorted_rows(rng, L, K_, kind)
+        for capacity in (2048, 2 * budget + 2, budget + 4):
+            done, stats = same_as_reference(lp, budget, capacity)
+            seen["select"] += stats["selects"] > 0
+            seen["fallback"] += not done
+            seen["resort"] += stats["sorts"] > 1
+            if kind in ("random", "log_softmax") and capacity >= 2 * budget + 2:
+                assert done                   # no crowd of ties: no fall-back
+    assert seen["select"] > 0                 # the floor rose on this kind's rows
+    if kind in ("ties", "zeros"):
+        assert seen["fallback"] > 0           # ties crowded a small list
+
+
+@pytest.mark.parametrize("kind", ("random", "log_softmax", "zeros", "ties"))
+def test_large_budgets_at_the_gpu_capacity(kind):
+    rng = np.random.default_rng(7)
+    for L, K_, budget in LARGE_SIZES:
+        done, stats = same_as_reference(sorted_rows(rng, L, K_, kind), budget, 2048)
+        assert done == (kind in ("random", "log_softmax"))   # zeros: every node ties at 0
+
+
+def test_repeated_sorts_settle_equal_scores_by_their_parents():
+    """Rounded rows: equal scores whose parents also tie need more than one sort."""
+    rng = np.random.default_rng(3)
+    most = 1
+    for _ in range(40):
+        lp = sorted_rows(rng, 5, 7, "ties")
+        done, stats = same_as_reference(lp, 17, 2048)
+        assert done
+        most = max(most, stats["sorts"])
+    assert most >= 3
+
+
+def test_kth_largest_is_exact_with_repeats():
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 7, 300):
+        keys = score_keys(np.round(rng.standard_normal(n), 1).astype(np.float32))
+        for k in {1, (n + 1) // 2, n}:
+            assert kth_largest(keys, k) == np.sort(keys)[::-1][k - 1]
+
+
+# --- the kernel (the simulator's list holds 256 entries, a GPU's 2048) ----------------------
+def kernel_cases():
+    """Inputs that overflow the simulator's list (both floor rises), that fall back (every
+    score ties), that need repeated sorts, and the edges."""
+    rng = np.random.default_rng(11)
+    cases = []
+    for L, K_, budget, kind in ((5, 64, 40, "random"), (4, 64, 100, "log_softmax"),
+                                (3, 64, 64, "random"), (5, 16, 100, "zeros"),
+                                (5, 7, 17, "ties"), (15, 2, 17, "ties"), (1, 1, 0, "random"),
+                                (1, 8, 1, "random"), (6, 64, 60, "neg_inf")):
+        lp = np.stack([sorted_rows(rng, L, K_, kind) for _ in range(2)])
+        cases.append((lp, budget))
+    return cases
+
+
+def run_kernel_cases(which=None):
+    cases = kernel_cases()
+    for lp, budget in (cases if which is None else [cases[i] for i in which]):
+        bs, L, K_ = lp.shape
+        ids = np.broadcast_to(np.arange(K_, dtype=np.int32), lp.shape).copy()
+        roots = np.arange(bs, dtype=np.int32)
+        prefix = np.array([5, 900], np.int32)
+        want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
+        assert_trees_equal(K.build_tree(lp, ids, roots, budget, prefix_lens=prefix,
+                                        variant="threshold"), want)
+
+
+def test_kernel_cases_take_every_path():
+    """The cases above do reach the paths they are meant for, at the simulator's capacity."""
+    from ddtree_numba.kernels.build_tree_threshold import CAPACITY
+
+    stats = [best_first_by_threshold(lp[b], budget, CAPACITY) for lp, budget in kernel_cases()
+             for b in range(lp.shape[0])] if K.SIMULATOR else []
+    if K.SIMULATOR:
+        assert any(tree is None for tree, _ in stats)
+        assert any(s["selects"] >= 2 for tree, s in stats if tree is not None)
+        assert any(s["sorts"] >= 2 for tree, s in stats if tree is not None)
+
+
+def test_kernel_bit_exact_on_every_path():
+    run_kernel_cases()
+
+
+@pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated warp shuffles")
+def test_kernel_with_its_gpu_scan_and_sort_on_emulated_shuffles(monkeypatch):
+    """The block scan and the sort the kernel takes on a GPU (warp shuffles), emulated."""
+    from simulated_warp import emulated_shuffles
+
+    from ddtree_numba.kernels import _primitives, build_tree_threshold
+
+    monkeypatch.setattr(build_tree_threshold, "block_inclusive_scan",
+                        _primitives._warp_shuffle_scan)
+    monkeypatch.setattr(_primitives, "bitonic_sort_desc", _primitives._bitonic_sort_gpu)
+    with emulated_shuffles():
+        run_kernel_cases(which=(0, 3, 4))   # both floor rises; the fall-back; repeated sorts
+
+
+def test_kernel_unchecked_positive_log_probs_stay_in_bounds():
+    """Log-probs > 0 (refused when checked) break the floor's argument; unchecked, the tree is
+    wrong but no index leaves its array (the simulator raises IndexError where a GPU would
+    touch memory out of bounds)."""
+    from numba import cuda
+
+    rng = np.random.default_rng(4)
+    lp, ids = random_topk(rng, 2, 5, 8, V=16)
+    lp = np.ascontiguousarray(-lp[..., ::-1]) + 1.0            # ascending and positive
+    lp[1, 2, 3] = np.nan
+    roots, prefix = np.array([1, 2], np.int32), np.array([0, 9], np.int32)
+    tree = K.build_tree(cuda.to_device(lp), cuda.to_device(ids), cuda.to_device(roots), 20,
+                        prefix_lens=cuda.to_device(prefix), variant="threshold")
+    parents = tree.parents.copy_to_host()
+    assert ((parents >= -1) & (parents < 21)).all()
+    assert (tree.num_nodes.copy_to_host() <= 21).all()
