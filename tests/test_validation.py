@@ -208,7 +208,7 @@ def test_kernel_variant_is_checked():
     a = good_tree_args()
     a["variant"] = "bogus"
     with pytest.raises(ValueError, match=r"variant: expected one of "
-                                         r"\('scan', 'corners', 'warp', 'levels'\)"):
+                                         r"\('scan', 'corners', 'warp', 'levels', 'threshold'\)"):
         call_build(K, a)
     if K.SIMULATOR:
         for variant in ("corners", "warp"):

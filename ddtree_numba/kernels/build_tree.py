@@ -82,9 +82,11 @@ LP_CACHE = 4096                     # float32 log-probs staged in shared memory 
 SELECT_THREADS = 128                # warp variant: 1 warp pops, 4 warps set up and write out
 FINISH_ROWS = 32                    # tree rows per block of the finish kernel
 #: From this budget on, the default GPU select is ``"threshold"`` (no pops), below it
-#: ``"corners"`` (one pop at a time over the frontier's corners): the faster of the two on the
-#: H200 at every batch size of ``benchmarks/bench_build_tree.py`` (``benchmarks/NOTES.md``).
-THRESHOLD_FROM_BUDGET = 128
+#: ``"corners"`` (one pop at a time over the frontier's corners). On the H200
+#: (``benchmarks/NOTES.md``) the corners pops win at budgets 64 and 128 at every batch size;
+#: the threshold select wins at 1 024 (about 2x) and at 256 for bs 1 and 8 (38 % and 15 %;
+#: at bs 64 it is 2 % slower there).
+THRESHOLD_FROM_BUDGET = 256
 FINISH_THREADS = 32 if SIMULATOR else 128   # the simulator runs one Python thread per thread
 NEG_INF = float32(-np.inf)
 
