@@ -69,8 +69,17 @@ SCAN_SCRATCH = block_scan_scratch(THREADS)
 FALLBACK = -1                               # num_nodes[b]: the "levels" select takes it
 FINITE_FLOOR = uint32(_FINITE_FLOOR)
 LOW = uint64(0xFFFFFFFF)
+KEY_POS_INF = uint32(0xFF800000)        # the key of +inf: larger keys are NaNs
 assert CAPACITY % THREADS == 0 and CAPACITY & (CAPACITY - 1) == 0 and CAPACITY <= 4096
 assert BINS <= THREADS or BINS % THREADS == 0
+
+
+@cuda.jit(device=True, inline=True)
+def _score_key(x):
+    """The orderable key of a score; 0 (below every floor: no node) for a NaN, which only
+    unchecked input makes (``+inf + -inf``), as the other selects treat it."""
+    key = key_of_float(x)
+    return key if key <= KEY_POS_INF else uint32(0)
 
 
 @cuda.jit(device=True, inline=True)
@@ -121,7 +130,7 @@ def _count_children(score, mult, lp_row, work, scratch, start, n, d, K, B, floor
         hi = uint32(max(width, 0))
         while lo < hi:                                 # the first rank below the floor
             mid = uint32((lo + hi) >> uint32(1))
-            if key_of_float(s_p + lp_row[mid]) >= floor:
+            if _score_key(s_p + lp_row[mid]) >= floor:
                 lo = uint32(mid + uint32(1))
             else:
                 hi = mid
@@ -146,13 +155,13 @@ def _kth_largest(k, score, n, with_children, work, start, M, lp_row, hist, scrat
             hist[i] = 0
         cuda.syncthreads()                  # the bins zeroed before any count
         for i in range(1 + tid, n, T):      # the list (not the root)
-            key = key_of_float(score[i])
+            key = _score_key(score[i])
             if key & decided == prefix:
                 cuda.atomic.add(hist, int32((key >> shift) & uint32(0xFF)), 1)
         if with_children:
             for j in range(tid, M, T):
                 u, r = _parent_of(work, P, j)
-                key = key_of_float(score[start + u] + lp_row[r])
+                key = _score_key(score[start + u] + lp_row[r])
                 if key & decided == prefix:
                     cuda.atomic.add(hist, int32((key >> shift) & uint32(0xFF)), 1)
         cuda.syncthreads()                  # every key counted
@@ -184,7 +193,7 @@ def _compact(floor, score, parent, rank, depth, mult, work, scratch, n, start, t
     """Keep the root and the nodes at or above ``floor``, in order, parents re-pointed.
     Returns the new ``(n, start)``."""
     for i in range(tid, n, T):
-        work[i] = uint64(1) if i == 0 or key_of_float(score[i]) >= floor else uint64(0)
+        work[i] = uint64(1) if i == 0 or _score_key(score[i]) >= floor else uint64(0)
     cuda.syncthreads()                      # flags in place
     kept = _scan_in_place(work, n, scratch, tid, T)   # work[i]: kept nodes in 0 .. i
     new_start = int32(work[start - 1]) if start > 0 else int32(0)
@@ -199,7 +208,7 @@ def _compact(floor, score, parent, rank, depth, mult, work, scratch, n, start, t
     for q in range(PER_THREAD):
         i = tid + q * T
         to[q] = -1
-        if i < n and (i == 0 or key_of_float(score[i]) >= floor):
+        if i < n and (i == 0 or _score_key(score[i]) >= floor):
             to[q] = int32(work[i]) - 1
             s_[q] = score[i]
             pp = int32(parent[i])
@@ -226,7 +235,7 @@ def _compact(floor, score, parent, rank, depth, mult, work, scratch, n, start, t
 def _sort_key(score, parent_position, i):
     """The descending-order key of list entry ``i`` (the module docstring)."""
     low = uint64((parent_position + 1) * 4096 + i)
-    return (uint64(key_of_float(score)) << uint64(32)) | (LOW - low)
+    return (uint64(_score_key(score)) << uint64(32)) | (LOW - low)
 
 
 @kernel_for_block(THREADS)

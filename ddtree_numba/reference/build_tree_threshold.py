@@ -69,10 +69,11 @@ CAPACITY = 2048
 
 def score_keys(scores) -> np.ndarray:
     """uint32 keys whose unsigned order is the float32 order (``-0.0`` and ``+0.0`` equal),
-    as the kernels' ``key_of_float``."""
+    as the kernels' ``key_of_float``; 0 for a NaN (below every floor: never a node)."""
     bits = np.asarray(scores, np.float32).reshape(-1).view(np.uint32).copy()
     bits[bits == 0x80000000] = 0
-    return np.where(bits & 0x80000000, ~bits, bits | 0x80000000).astype(np.uint32)
+    keys = np.where(bits & 0x80000000, ~bits, bits | 0x80000000).astype(np.uint32)
+    return np.where(keys <= 0xFF800000, keys, 0).astype(np.uint32)   # NaN: 0, no node
 
 
 #: The smallest key of a finite score: ``key(-inf) + 1`` (a floor that keeps every finite one).
