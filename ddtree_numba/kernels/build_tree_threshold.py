@@ -238,6 +238,12 @@ def _sort_key(score, parent_position, i):
     return (uint64(_score_key(score)) << uint64(32)) | (LOW - low)
 
 
+@cuda.jit(device=True, inline=True)
+def _entry_of(key):
+    """The list index a :func:`_sort_key` holds (its low 12 bits, complemented)."""
+    return int32((LOW - (key & LOW)) & uint64(0xFFF))
+
+
 @kernel_for_block(THREADS)
 def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_token,
                              next_sibling, ranks, num_nodes):
@@ -358,7 +364,7 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
             flags[2 - now] = 0                     # read them (last sort) before the
             flags[3 - now] = 0                     # barriers above
         for j in range(tid, n, T):
-            i = int32((LOW - (work[j] & LOW)) & uint64(0xFFF))
+            i = _entry_of(work[j])
             if j > 0 and (work[j] >> uint64(32)) == (work[j - 1] >> uint64(32)):
                 flags[now] = 1                     # two equal scores side by side
             if int32(mult[i]) != j:
@@ -373,7 +379,7 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
     for j in range(tid, N, T):
         next_token[b, j] = -1
         if j < nt:
-            i = int32((LOW - (work[j] & LOW)) & uint64(0xFFF))
+            i = _entry_of(work[j])
             pp = int32(parent[i])
             up = int32(mult[pp]) if pp >= 0 else int32(-1)
             if j == 0:                             # node 0 has no parent; unchecked input
@@ -400,7 +406,7 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
         num_nodes[b] = nt
     cuda.syncthreads()                             # every next_token reset before the links
     for j in range(1 + tid, nt, T):
-        i = int32((LOW - (work[j] & LOW)) & uint64(0xFFF))
+        i = _entry_of(work[j])
         pp = int32(parent[i])
         up = int32(mult[pp]) if pp >= 0 else int32(0)
         if rank[i] == 0 and 0 <= up < j:
