@@ -1,12 +1,12 @@
 """Benchmark: draft_topk against torch and CuPy; tree_accept and commit_kv device time.
 
 draft_topk: bs in {1, 8, 64}, L = 15, V in {32000, 163840}, K in {16, 256, 1024}, float32
-logits (and bfloat16 at the largest size); the one-pass ``filtered`` kernel where K <= 256
-(else the two-pass one) with ``parts`` blocks per row as the launcher picks them,
-``whole_rows_us`` the same call with one block per row (``parts=1``) and ``two_pass_us`` the
-two-pass kernel with the same parts. GB/s counts one read of the logits (the floor), against
+logits (and bfloat16 at the largest size); ``gpu_us`` is the call as the launcher makes it
+(``variant``: its default, in ``parts`` blocks a row), ``whole_rows_us`` the same with one
+block a row (``parts=1``), and ``two_pass_us``, ``filtered_us``, ``resident_us`` each variant
+that takes the logits in those parts. GB/s counts one read of the logits (the floor), against
 the device-to-device copy bandwidth measured in the same run. Then, at bs 1 and V 163 840,
-the one-pass kernel in every number of parts the merge takes (``parts_sweep``). Baselines:
+the resident and one-pass kernels in each number of parts they take (``parts_sweep``). Baselines:
 ``torch.topk`` + ``torch.logsumexp`` (eager, events) and CuPy written the obvious way
 (log-softmax, then a full ``argsort``).
 
@@ -31,8 +31,12 @@ from ddtree_numba import kernels as K
 from ddtree_numba import reference as ref
 from ddtree_numba.arrays import BFLOAT16
 from ddtree_numba.kernels._device import launch, launch_stream
-from ddtree_numba.kernels.draft_topk import parts_per_row
-from ddtree_numba.kernels.draft_topk_filtered import FILTER_MAX_K
+from ddtree_numba.kernels.draft_topk import (
+    default_variant,
+    filtered_applies,
+    parts_per_row,
+    resident_applies,
+)
 
 
 def bench_draft_topk(quick: bool, targets: bool = False):
@@ -58,17 +62,25 @@ def bench_draft_topk(quick: bool, targets: bool = False):
         parts = parts_per_row(bs * L, V, k)
         scratch = K.allocate_topk_scratch(bs, L, V, k)   # allocated outside the graph
         logits = x_t if dtype == "bfloat16" else x
-        variant = "filtered" if k <= FILTER_MAX_K else "two_pass"
+        bits = x.reshape(bs * L, V).view(np.uint16 if dtype == "bfloat16" else np.uint32)
+        variant = default_variant(bits, parts, k)       # what draft_topk launches
 
         def launch():
-            K.draft_topk(logits, k, out=out, scratch=scratch, variant=variant)
+            K.draft_topk(logits, k, out=out, scratch=scratch)
 
         gpu = bench.time_device(launch, reps=20)
         whole_rows = gpu if parts == 1 else bench.time_device(
-            lambda: K.draft_topk(logits, k, out=out, parts=1, variant=variant), reps=20)
-        two_pass = gpu if variant == "two_pass" else bench.time_device(
-            lambda: K.draft_topk(logits, k, out=out, scratch=scratch, variant="two_pass"),
-            reps=20)
+            lambda: K.draft_topk(logits, k, out=out, parts=1), reps=20)
+        per_variant = {}                    # every variant that takes these logits and parts
+        for other in ("two_pass", "filtered", "resident"):
+            if other == variant:
+                per_variant[other] = gpu
+            elif ((other == "filtered" and filtered_applies(bits, k))
+                  or (other == "resident" and resident_applies(bits, k, parts))
+                  or other == "two_pass"):
+                per_variant[other] = bench.time_device(
+                    lambda: K.draft_topk(logits, k, out=out, scratch=scratch, variant=other),
+                    reps=20)
 
         def torch_way():
             lse = torch.logsumexp(x_t.float(), dim=-1, keepdim=True)
@@ -93,16 +105,19 @@ def bench_draft_topk(quick: bool, targets: bool = False):
         exact = bool((out[1].copy_to_host()[: min(bs, 2)] == want_ids).all())
         nbytes = bs * L * V * x_t.element_size()
         gbs = nbytes / (gpu["ms"] * 1e-3) / 1e9
+        variant_us = {f"{name}_us": t["ms"] * 1e3 if t else None
+                      for name, t in ((v, per_variant.get(v)) for v in
+                                      ("two_pass", "filtered", "resident"))}
         bench.add(bs=bs, L=L, V=V, k=k, dtype=dtype, variant=variant, parts=parts,
-                  gpu_us=gpu["ms"] * 1e3, whole_rows_us=whole_rows["ms"] * 1e3,
-                  two_pass_us=two_pass["ms"] * 1e3,
+                  gpu_us=gpu["ms"] * 1e3, whole_rows_us=whole_rows["ms"] * 1e3, **variant_us,
                   read_gbs=gbs, pct_of_copy_bw=100 * gbs / copy_gbs, copy_gbs=copy_gbs,
                   torch_us=torch_t["ms"] * 1e3, speedup_vs_torch=torch_t["ms"] / gpu["ms"],
                   cupy_us=None if cupy_t is None else cupy_t["ms"] * 1e3, ids_exact=exact)
         torch.cuda.empty_cache()
     bench.write_csv()
     print_table(bench.rows, ["bs", "V", "k", "dtype", "variant", "parts", "gpu_us",
-                             "whole_rows_us", "two_pass_us", "read_gbs", "pct_of_copy_bw",
+                             "whole_rows_us", "two_pass_us", "filtered_us", "resident_us",
+                             "read_gbs", "pct_of_copy_bw",
                              "torch_us", "speedup_vs_torch", "cupy_us", "ids_exact"],
                 f"draft_topk on {bench.gpu}, {bench.date}; copy bandwidth "
                 f"{bench.rows[0]['copy_gbs']:.0f} GB/s (read + write)")
@@ -111,9 +126,10 @@ def bench_draft_topk(quick: bool, targets: bool = False):
 
 
 def sweep_parts(quick: bool):
-    """bs 1, L 15, V 163 840: the one-pass kernel in 1, 2, 4, ... parts (as far as the merge
-    takes ``parts * k`` candidates), float32 logits."""
-    from ddtree_numba.kernels.draft_topk import MAX_PARTS, MERGE_CAP
+    """bs 1, L 15, V 163 840, float32 logits: the resident kernel in 7 (the fewest that hold a
+    row), 8 and 16 parts, and the one-pass kernel in 1, 2, 4, ... parts (as far as the merge
+    takes them)."""
+    from ddtree_numba.kernels.draft_topk import max_parts
 
     bench = Bench("draft_topk_parts")
     L, V = 15, 163840
@@ -121,18 +137,19 @@ def sweep_parts(quick: bool):
     for k in (16, 256):
         out = (K.as_device(cp.empty((1, L, k), cp.float32)),
                K.as_device(cp.empty((1, L, k), cp.int32)))
-        parts = 1
-        while parts <= min(MERGE_CAP // k, MAX_PARTS) and not (quick and parts > 4):
+        runs = [("resident", parts) for parts in (7, 8, 16)]
+        runs += [("filtered", 1 << i) for i in range(7) if (1 << i) <= max_parts(V, k)
+                 and not (quick and i > 2)]
+        for variant, parts in runs:
             scratch = K.allocate_topk_scratch(1, L, V, k, parts)
             t = bench.time_device(lambda: K.draft_topk(x, k, out=out, parts=parts,
-                                                       scratch=scratch, variant="filtered"),
+                                                       scratch=scratch, variant=variant),
                                   reps=20)
-            bench.add(bs=1, L=L, V=V, k=k, parts=parts, gpu_us=t["ms"] * 1e3,
-                      chosen=parts == parts_per_row(L, V, k))
-            parts *= 2
+            bench.add(bs=1, L=L, V=V, k=k, variant=variant, parts=parts,
+                      gpu_us=t["ms"] * 1e3, chosen=parts == parts_per_row(L, V, k))
     bench.write_csv()
-    print_table(bench.rows, ["k", "parts", "gpu_us", "chosen"],
-                f"draft_topk, one pass, bs 1, V {V}: blocks per row")
+    print_table(bench.rows, ["k", "variant", "parts", "gpu_us", "chosen"],
+                f"draft_topk, bs 1, V {V}: blocks per row")
 
 
 @cuda.jit

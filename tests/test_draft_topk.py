@@ -50,6 +50,7 @@ def error_bound(x_row, lp_ref, V, threads, parts=1, rescale=0.0, tile=0, exp2=Fa
 def check_kernel(x, k, parts=None, variant=None):
     from ddtree_numba.kernels.draft_topk import TOPK_THREADS, default_variant, parts_per_row
     from ddtree_numba.kernels.draft_topk_filtered import FILTER_THREADS, WORDS
+    from ddtree_numba.kernels.draft_topk_resident import RESIDENT_THREADS
 
     if parts is None:
         parts = parts_per_row(x.shape[0] * x.shape[1], x.shape[2], k)
@@ -65,7 +66,8 @@ def check_kernel(x, k, parts=None, variant=None):
     np.testing.assert_array_equal(np.isneginf(lp), np.isneginf(want_lp))
     x32 = np.asarray(x).astype(np.float32)
     filtered = variant == "filtered"
-    threads = FILTER_THREADS if filtered else TOPK_THREADS
+    threads = {"filtered": FILTER_THREADS, "resident": RESIDENT_THREADS}.get(variant,
+                                                                             TOPK_THREADS)
     # a rescale at most once a tile: 2 * WORDS logits a lane (float32 and bfloat16)
     rescale = 1 / (2 * WORDS) if filtered else 0.0
     tile = 2 * WORDS if filtered else 0
@@ -74,7 +76,8 @@ def check_kernel(x, k, parts=None, variant=None):
             if np.isneginf(x32[b, d]).all():
                 continue
             bound, finite = error_bound(x32[b, d], want_lp[b, d], x.shape[2], threads,
-                                        parts, rescale, tile, exp2=filtered)
+                                        parts, rescale, tile,
+                                        exp2=variant in ("filtered", "resident"))
             err = np.abs(lp[b, d][finite] - want_lp[b, d][finite])
             assert (err <= bound[finite]).all(), (b, d, err.max())
 
@@ -140,8 +143,9 @@ def test_kernel_with_its_gpu_scan_and_sort_on_emulated_shuffles(monkeypatch):
     from ddtree_numba.kernels._primitives import _bitonic_sort_gpu, _warp_shuffle_scan
 
     module = importlib.import_module("ddtree_numba.kernels.draft_topk")   # not the function
+    primitives = importlib.import_module("ddtree_numba.kernels._primitives")
     monkeypatch.setattr(module, "block_inclusive_scan", _warp_shuffle_scan)
-    monkeypatch.setattr(module, "bitonic_sort_desc", _bitonic_sort_gpu)
+    monkeypatch.setattr(primitives, "bitonic_sort_desc", _bitonic_sort_gpu)   # sort_desc_any's
     rng = np.random.default_rng(5)
     x = rng.standard_normal((1, 2, 96)).astype(np.float32)
     x[0, 1, ::2] = np.round(x[0, 1, ::2])               # ties
@@ -253,6 +257,141 @@ def test_filtered_variant_refuses_what_it_cannot_take(monkeypatch):
         K.draft_topk(np.zeros((1, 1, 1024), np.float32), 300, variant="filtered")
 
 
+def resident_case(case, rng):
+    """``(x, k, parts)`` for the resident kernel. On the simulator a block is 64 threads of 8
+    logits (slices of at most 512, at most 64 candidates sorted, k <= 32); on a GPU 512
+    threads of 48 (24 576, 512, k <= 256): sizes scale with ``SLICE_CAP``."""
+    from ddtree_numba.kernels.draft_topk_resident import RESIDENT_MAX_K, SLICE_CAP
+
+    V, k, parts = SLICE_CAP, RESIDENT_MAX_K, 1
+    x = rng.standard_normal((1, 2, V)).astype(np.float32)
+    if case == "split":                                 # 3 slices; the merge pads to 4 lists
+        V, k, parts = 2 * SLICE_CAP + 100, 12, 3        # of 16 (k rounded up)
+        x = rng.standard_normal((1, 2, V)).astype(np.float32)
+    if case == "empty_slice":                           # 20 words in 6 parts of 4: the last
+        V, k, parts = 40, 6, 6                          # slice is empty
+        x = rng.standard_normal((1, 2, V)).astype(np.float32)
+    if case == "no_floor":                              # 20 words < k = 30 logits: fewer
+        V, k = 40, 30                                   # threads hold one than k, no floor
+        x = rng.standard_normal((1, 2, V)).astype(np.float32)
+    if case == "ties_fall_back":                        # one key SLICE_CAP times: more ties
+        x[0, 0] = 0.0                                   # than CAND_CAP at 32 bits, the
+        x[0, 1, ::3] = 0.0                              # two-pass select on the slice
+    if case == "refine":
+        # one logit far above a cluster: the first round's bins are 2**24 keys wide and the
+        # cluster (keys within 2**17 of each other) sits in one of them, more than CAND_CAP:
+        # the bin is histogrammed again with 2**16-wide bins, then 2**8
+        x = (1.0 + rng.random((1, 2, V)) * 1e-2).astype(np.float32)
+        x[0, :, 7] = 1e30
+    if case == "neg_inf":
+        x[0, 0] = -np.inf                               # all -inf: ties, the fallback
+        x[0, 1, 20:] = -np.inf                          # fewer finite than k
+    if case == "signed_zeros":
+        x[0, 0, ::2] = -0.0
+        x[0, 0, 1::2] = 0.0
+    if case == "k1":
+        k = 1
+    if case == "sorted":                                # a falling row: the floor is exact
+        x[0, 0] = np.sort(x[0, 0])[::-1]
+    if case == "wide_span":
+        x *= np.float32(1e30)
+    return x, k, parts
+
+
+@pytest.mark.parametrize("case", ["random", "split", "empty_slice", "no_floor",
+                                  "ties_fall_back", "refine", "neg_inf", "signed_zeros", "k1",
+                                  "sorted", "wide_span"])
+def test_resident_kernel_matches_reference(case):
+    """The resident kernel (runs on the simulator as it is): ids exact, log-probs within the
+    bound, whole rows and slices merged, through the floor, refinement rounds and the
+    two-pass fallback."""
+    x, k, parts = resident_case(case, np.random.default_rng(zlib.crc32(case.encode())))
+    check_kernel(x, k, parts, variant="resident")
+
+
+@pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated shuffles")
+@pytest.mark.parametrize("case", ["random", "split", "ties_fall_back", "refine"])
+def test_resident_kernel_with_its_gpu_reductions_on_emulated_shuffles(monkeypatch, case):
+    """The resident kernel with what it takes on a GPU (warp-shuffle reductions, scan and
+    sort) on the simulator's emulated shuffles: ids exact, log-probs within the bound."""
+    import importlib
+
+    from simulated_warp import emulated_shuffles
+
+    primitives = importlib.import_module("ddtree_numba.kernels._primitives")
+    resident = importlib.import_module("ddtree_numba.kernels.draft_topk_resident")
+    topk = importlib.import_module("ddtree_numba.kernels.draft_topk")
+    monkeypatch.setattr(resident, "block_max_u32", primitives._block_max_u32_by_warps)
+    monkeypatch.setattr(resident, "block_sum_f32", primitives._block_sum_f32_by_warps)
+    monkeypatch.setattr(topk, "block_inclusive_scan", primitives._warp_shuffle_scan)
+    monkeypatch.setattr(primitives, "bitonic_sort_desc", primitives._bitonic_sort_gpu)
+    x, k, parts = resident_case(case, np.random.default_rng(zlib.crc32(case.encode())))
+    with emulated_shuffles():
+        check_kernel(x, k, parts, variant="resident")
+
+
+def test_resident_bfloat16_kernel():
+    """The bfloat16 resident kernel itself (``draft_topk`` widens bfloat16 on the simulator,
+    so it is launched by hand on the bits): four logits a word; ids exact, log-probs within
+    the bound."""
+    from ddtree_numba.kernels.draft_topk_resident import (
+        RESIDENT_THREADS,
+        SLICE_CAP,
+        resident_kernels,
+    )
+
+    rng = np.random.default_rng(17)
+    V, k = SLICE_CAP, 20
+    x = (rng.standard_normal((2, 1, V)) * 3).astype(bfloat16)
+    x[1, 0, ::5] = x[1, 0, 7]                           # a run of equal keys in row 1
+    bits = x.reshape(2, V).view(np.uint16)
+    lp, ids = np.zeros((2, k), np.float32), np.zeros((2, k), np.int32)
+    whole_row, _ = resident_kernels(True)
+    whole_row[2, RESIDENT_THREADS](bits.view(np.uint64), bits, k, lp, ids)
+    want_lp, want_ids = ref.draft_topk(x, k)
+    np.testing.assert_array_equal(ids, want_ids[:, 0])
+    x32 = x.astype(np.float32)
+    for b in range(2):
+        bound, _ = error_bound(x32[b, 0], want_lp[b, 0], V, RESIDENT_THREADS, exp2=True)
+        assert (np.abs(lp[b] - want_lp[b, 0]) <= bound).all()
+
+
+def test_resident_variant_refuses_what_it_cannot_take():
+    from ddtree_numba.kernels.draft_topk_resident import RESIDENT_MAX_K, SLICE_CAP
+
+    with pytest.raises(ValueError, match="variant: 'resident'.*V=97"):
+        K.draft_topk(np.zeros((1, 2, 97), np.float32), 4, variant="resident")
+    with pytest.raises(ValueError, match=f"variant: 'resident' takes k <= {RESIDENT_MAX_K}"):
+        K.draft_topk(np.zeros((1, 1, 4 * RESIDENT_MAX_K), np.float32), RESIDENT_MAX_K + 1,
+                     variant="resident")
+    x = np.zeros((1, 1, 2 * SLICE_CAP), np.float32)     # one block cannot hold the row
+    with pytest.raises(ValueError, match="parts >= 2.*parts=1"):
+        K.draft_topk(x, 4, parts=1, variant="resident")
+
+
+def test_the_default_takes_the_resident_kernel_where_its_blocks_fit_one_wave(monkeypatch):
+    """``resident_pays`` on a GPU of 132 SMs: bs 1 (15 rows) at V 163 840 takes 105 blocks;
+    bs 8 (120 rows) would take 840; rows that fit one block, k above the kernel's limit and V
+    not whole words of bfloat16 do not qualify. ``resident_parts`` rounds the fewest parts up
+    to a power of two within the SMs."""
+    import importlib
+
+    module = importlib.import_module("ddtree_numba.kernels.draft_topk")
+    resident = importlib.import_module("ddtree_numba.kernels.draft_topk_resident")
+    monkeypatch.setattr(module, "SIMULATOR", False)
+    monkeypatch.setattr(module, "sm_count", lambda: 132)
+    monkeypatch.setattr(resident, "SLICE_CAP", 24576)
+    monkeypatch.setattr(resident, "RESIDENT_MAX_K", 256)
+    assert module.resident_pays(15, 163840, 256)
+    assert module.resident_parts(15, 163840, 256) == 8          # 7 needed, 8 fit 132 SMs
+    assert module.resident_parts(15, 4096, 256) == 1            # the row fits one block,
+    assert not module.resident_pays(15, 4096, 256)              # where the two-pass wins
+    assert not module.resident_pays(120, 163840, 256)           # bs 8: two waves and more
+    assert not module.resident_pays(15, 163840, 257)
+    assert not module.resident_pays(15, 163842, 16)             # whole float32 words only
+    assert module.parts_per_row(15, 163840, 256) == 8
+
+
 def test_split_row_with_an_empty_slice():
     """V = 9 in 4 parts of 3: the fourth slice is empty and contributes nothing."""
     x = np.random.default_rng(3).standard_normal((1, 2, 9)).astype(np.float32)
@@ -280,10 +419,10 @@ def test_split_scratch_and_parts_are_checked():
 @pytest.mark.parametrize("V, k", [(32000, 16), (32000, 256), (163840, 1024), (163840, 256),
                                   (5000, 1024), (1500, 1024)])
 @pytest.mark.parametrize("dtype", [np.float32, bfloat16])
-@pytest.mark.parametrize("variant", ["two_pass", "filtered"])
+@pytest.mark.parametrize("variant", ["two_pass", "filtered", "resident"])
 def test_kernel_real_sizes(V, k, dtype, variant):
-    if variant == "filtered" and k > 256:
-        pytest.skip("the one-pass kernel takes k <= 256")
+    if variant in ("filtered", "resident") and k > 256:
+        pytest.skip("the one-pass and resident kernels take k <= 256")
     rng = np.random.default_rng(V + k)
     x = (rng.standard_normal((3, 5, V)) * 3).astype(dtype)
     x[0, 0] = np.round(x[0, 0].astype(np.float32))     # massive ties: refinement levels

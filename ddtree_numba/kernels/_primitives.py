@@ -49,6 +49,14 @@ shuffle, no barrier), and only the wider ones go through shared memory, two barr
 ``n``: it fills ``keys[n:]`` up to the next power of two with key 0, the smallest uint64 (the
 caller's buffer must hold that many), then sorts; the padding sinks to the end.
 
+*32-bit shifts.* ``shr_u32(x, shift)`` is ``uint32(x) >> shift`` in one 32-bit instruction
+(numba would shift in 64 bits: three instructions, in loops that run once a logit).
+
+*Loads through L2.* ``load_l2(array, index)`` (1-D arrays) is ``ld.global.cg``: the load skips
+the SM's L1, which is not coherent with other SMs' writes, and reads L2, which is. A block that
+reads what other blocks of the same launch wrote (after their ``threadfence`` and an atomic
+that tells it they are done) must read it this way. On the simulator, a plain load.
+
 *Unfused products.* On a GPU, NVVM fuses a multiply whose result feeds an add into one
 fused multiply-add, rounded once, where numpy rounds the product and then the sum. Where a
 kernel must equal its numpy twin bit for bit, ``mul_rn(a, b)`` is the float32 product as
@@ -81,6 +89,12 @@ if SIMULATOR:
     def mul_rn(a, b):
         return np.float32(a) * np.float32(b)
 
+    def load_l2(array, index):
+        return array[index]
+
+    def shr_u32(x, shift):
+        return np.uint32(np.uint32(x) >> np.uint32(shift))
+
     def warp_max_u32(value):  # pragma: no cover - never reached under the simulator
         raise NotImplementedError("warp_max_u32 needs a GPU (redux.sync)")
 
@@ -100,6 +114,46 @@ else:
     @cuda.jit(device=True, inline=True)
     def mul_rn(a, b):
         return cuda.libdevice.fmul_rn(a, b)    # rounded alone: never fused into an FMA
+
+    @intrinsic
+    def shr_u32(typingctx, x, shift):
+        """``x >> shift`` as one 32-bit shift (``shift < 32``). numba types a shift of two
+        uint32 as 64-bit and LLVM keeps it so: a zero extension, a 64-bit shift and a
+        truncation where one instruction does."""
+        if not (isinstance(x, types.Integer) and isinstance(shift, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            i32 = ir.IntType(32)
+            value, amount = (builder.trunc(a, i32) if a.type.width > 32 else
+                             builder.zext(a, i32) if a.type.width < 32 else a for a in args)
+            return builder.lshr(value, amount)
+
+        return types.uint32(x, shift), codegen
+
+    @intrinsic
+    def load_l2(typingctx, array, index):
+        """``array[index]`` (1-D, C-contiguous, 32- or 64-bit elements, an index in range) by
+        ``ld.global.cg``: from L2, never a stale L1 line. (``cuda.ldcg`` emits the same
+        instruction, but its overload needs a driver to compile, and the build report
+        compiles without one.) Marked as having side effects, so that no compiler pass moves
+        it above the barrier and the atomic that order it after the other blocks' writes."""
+        if not (isinstance(array, types.Array) and array.ndim == 1 and array.layout == "C"
+                and isinstance(index, types.Integer) and array.dtype.bitwidth in (32, 64)):
+            return None
+        width = array.dtype.bitwidth
+
+        def codegen(context, builder, signature, args):
+            values, i = args
+            data = context.make_array(signature.args[0])(context, builder, value=values).data
+            pointer = builder.gep(data, [i])
+            value_type = context.get_value_type(signature.return_type)
+            asm = ir.InlineAsm(ir.FunctionType(value_type, [pointer.type]),
+                               f"ld.global.cg.b{width} $0, [$1];",
+                               "=l,l" if width == 64 else "=r,l", side_effect=True)
+            return builder.call(asm, [pointer])
+
+        return array.dtype(array, index), codegen
 
     @intrinsic
     def warp_max_u32(typingctx, value):
@@ -198,6 +252,53 @@ def _max(a, b):
 
 block_sum = make_block_reduce(_add)     # block_sum(red, value, tid, T): sum over the block
 block_max = make_block_reduce(_max)     # block_max(red, value, tid, T): max over the block
+
+
+@cuda.jit(device=True, inline=True)
+def _block_max_u32_by_warps(red, value, tid, T):
+    """Max of one uint32 a thread over a block of whole warps: a shuffle tree in each warp
+    (lane ``l`` takes the max with lane ``l ^ 16``, ``l ^ 8``, ...; every lane ends with the
+    warp's max), lane 0 writes it to ``red[warp]``, and after a barrier every thread folds the
+    ``T / 32`` warp maxima. Two barriers where the tree takes ``log2 T + 2``."""
+    best = int64(value)                     # (numba shuffles 32- and 64-bit signed values)
+    offset = 16
+    while offset > 0:
+        best = max(best, cuda.shfl_xor_sync(FULL_MASK, best, offset))
+        offset //= 2
+    if tid & 31 == 0:
+        red[tid >> 5] = uint32(best)
+    cuda.syncthreads()                      # every warp's max in place
+    total = red[0]
+    for w in range(1, T >> 5):
+        total = max(total, red[w])
+    cuda.syncthreads()                      # everyone read red before it is reused
+    return total
+
+
+@cuda.jit(device=True, inline=True)
+def _block_sum_f32_by_warps(red, value, tid, T):
+    """Sum of one float32 a thread, as :func:`_block_max_u32_by_warps`. Every thread adds the
+    warp sums in the same order (warp 0 first) and the butterfly's two lanes of a pair add
+    the same two values, so all threads get the same total, and one call always the same."""
+    offset = 16
+    while offset > 0:
+        value += cuda.shfl_xor_sync(FULL_MASK, value, offset)
+        offset //= 2
+    if tid & 31 == 0:
+        red[tid >> 5] = value
+    cuda.syncthreads()                      # every warp's sum in place
+    total = red[0]
+    for w in range(1, T >> 5):
+        total += red[w]
+    cuda.syncthreads()                      # everyone read red before it is reused
+    return total
+
+
+# One uint32 max and one float32 sum over a block; ``red`` holds one value a warp on a GPU and
+# one a thread on the simulator (the tree above: it has no shuffles). The float sum's order
+# differs between the two, as any float reduction's does.
+block_max_u32 = block_max if SIMULATOR else _block_max_u32_by_warps
+block_sum_f32 = block_sum if SIMULATOR else _block_sum_f32_by_warps
 
 
 @cuda.jit(device=True, inline=True)

@@ -3,9 +3,11 @@
 One block per ``[b, d, :]`` row of ``V`` logits (``rows = bs * L``), or, when the rows are too
 few to fill the GPU, ``parts`` blocks per row and a merge (below). The selection never sorts
 the vocabulary: it finds the K-th largest key by **radix select** on the float bits, then sorts
-only the few survivors. (``draft_topk_filtered`` is a one-pass variant for ``K <= 256``,
-``variant="filtered"``: each logit read once and, mostly, only compared with a running floor;
-the default on a GPU where it was measured faster, see :func:`filtered_pays`.)
+only the few survivors. Two other variants for ``K <= 256``, each the default on a GPU where
+it was measured faster: ``draft_topk_filtered`` (``variant="filtered"``: each logit read once
+and, mostly, only compared with a running floor; :func:`filtered_pays`) and
+``draft_topk_resident`` (``variant="resident"``: few rows, each slice held in registers;
+:func:`resident_pays`).
 
 *Orderable keys* (``_primitives.orderable_key``) map float32 bits to uint32 so that unsigned
 order = float order, with ``-0.0 == +0.0`` as in the reference. The rank order is "key
@@ -28,10 +30,13 @@ Phases of a block (``T`` threads, ``v`` strided by ``T``: coalesced)::
 **Split rows.** At bs = 1 a step has ``L = 15`` rows: 15 blocks on a GPU of 132 SMs. Then
 (:func:`parts_per_row`) block ``(row, p)`` runs the same phases 1-4 on the slice ``row[p *
 chunk:(p + 1) * chunk]`` and writes its best ``k`` packed candidates, its max ``m_p`` and its
-``s_p = sum exp(x - m_p)``; a second launch, one block per row, sorts the ``parts * k``
-candidates and writes the first ``k``, with ``lse = M + log(sum_p s_p exp(m_p - M))``, ``M =
-max_p m_p``. Exact: each of the row's best ``k`` is among the best ``k`` of its own slice, and
-the packed order (key, then id) is the same total order in both launches.
+``s_p = sum exp(x - m_p)``; a second launch, one block per row, merges the parts' sorted
+lists pairwise, keeping the best ``k`` of each pair (:func:`_merge_kernel`), and writes the
+first ``k``, with ``lse = M + log(sum_p s_p exp(m_p - M))``, ``M = max_p m_p``. Exact: each of
+the row's best ``k`` is among the best ``k`` of its own slice, and the packed order (key, then
+id) is the same total order in both launches. (The merge used to sort all ``parts * k``
+candidates: at bs 1, V 163 840, k 256 in 4 parts the pairwise merge took the whole call from
+76 to 56 us on the H200.)
 
 If all 32 key bits are resolved and more than CAP logits are *exactly equal* at the threshold
 (e.g. a row of many -inf), phase 3 takes the tied ones in id order instead: each thread counts
@@ -73,13 +78,13 @@ from ._device import (
     sm_count,
 )
 from ._primitives import (
-    bitonic_sort_desc,
     bits_of_key,
     bits_to_float,
     block_inclusive_scan,
     block_max,
     block_sum,
     float_of_key,
+    load_l2,
     orderable_key,
     sort_desc_any,
 )
@@ -91,10 +96,12 @@ TIE_CAP = 3072               # candidates taken from the threshold bin without r
 SORT_CAP = 4096              # >= MAX_K - 1 + TIE_CAP, a power of two
 UNROLL = 8                   # loads in flight per thread in the passes over a row
 SPLIT_MIN_CHUNK = 64 if SIMULATOR else 4096   # logits a block reads at least in a split row
-# parts * k candidates the merge sorts (a power of two <= SORT_CAP): on the H200 a merge of
-# 4096 (k = 256 in 16 parts) cost more than the split saved (165 us against 144 at bs 1,
-# V = 163840), while k = 16 in 18 parts took 68 us against 123
+# parts * k candidates a two-pass split gives the merge at most (parts_per_row's rule): on
+# the H200, when the merge sorted all of them, 4096 (k = 256 in 16 parts) cost more than the
+# split saved (165 us against 144 at bs 1, V = 163840), while k = 16 in 18 parts took 68 us
+# against 123
 MERGE_CAP = 1024
+MERGE_SLOTS = 4096           # keys the merge holds in shared memory (32 KiB)
 MAX_PARTS = 64               # blocks per row at most
 NEG_INF = float32(-np.inf)
 # (shift, mask) of the three radix levels: bits 31..21, 20..10, 9..0
@@ -335,35 +342,93 @@ def _write_top(cand, k, lse, row_id, tid, T, top_log_probs, top_token_ids):
         top_log_probs[row_id, r] = x - lse if x > NEG_INF else NEG_INF
 
 
-@cuda.jit
-def _merge_kernel(part_keys, part_max, part_sum, k, top_log_probs, top_token_ids):
-    """Grid ``(rows,)``, block ``(T,)``: the row's ``parts * k`` candidates sorted into its
-    top K (each part's best ``k`` contain every one of the row's best ``k`` that lies in the
-    part), and its log-sum-exp from the parts' ``(max, sum)``."""
-    row_id = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    T = cuda.blockDim.x
+@cuda.jit(device=True, inline=True)
+def merge_parts(part_keys, part_max, part_sum, row_id, k, lists, stats, tid, T, top_log_probs,
+                top_token_ids):
+    """The row's top K from its parts' sorted lists (each part's best ``k`` contain every one
+    of the row's best ``k`` that lies in the part), and its log-sum-exp from the parts' ``(max,
+    sum)``; every thread of the block calls it. ``lists``: ``MERGE_SLOTS`` shared uint64,
+    ``stats``: one shared float32. The parts' arrays are read through L2 (``load_l2``): the
+    resident kernel's last block reads what other blocks of the same launch wrote.
+
+    A tree of pairwise merges that keep only the best ``k2`` (``k`` rounded up to a power of
+    two; the lists padded with key 0 to ``k2`` and to a power-of-two count ``P2``). Lists
+    ``q`` and ``q + half`` (both descending) merge into list ``q``: ``c[j] = max(A[j],
+    B[k2 - 1 - j])`` pairs A's ``j``-th best with B's ``j``-th worst; the ``k2`` winners are
+    the best ``k2`` of both lists and form a bitonic sequence (falling, then rising), which
+    the half-cleaners of strides ``k2 / 2, .., 1`` sort descending. ``log2 P2`` rounds of
+    ``1 + log2 k2`` steps, a barrier each; no step sorts more than ``k2`` keys at once.
+    """
     parts = part_keys.shape[1]
-    cand = cuda.shared.array(MERGE_CAP, uint64)
-    stats = cuda.shared.array(1, float32)
-    n = parts * k                           # <= MERGE_CAP, checked by the launcher
-    n2 = 1
-    while n2 < n:
-        n2 *= 2
-    for i in range(tid, n2, T):             # candidate i: part i // k, rank i % k
-        cand[i] = part_keys[row_id, i // k, i % k] if i < n else uint64(0)
+    row_max = part_max[row_id]              # [parts]
+    row_sum = part_sum[row_id]
+    k2 = 1
+    while k2 < k:
+        k2 *= 2
+    p2 = 1
+    while p2 < parts:
+        p2 *= 2                             # p2 * k2 <= MERGE_SLOTS, checked by the launcher
+    for i in range(tid, p2 * k2, T):        # slot i: part i // k2, rank i % k2
+        q = i // k2
+        r = i % k2
+        lists[i] = load_l2(part_keys[row_id, q], r) if q < parts and r < k else uint64(0)
     if tid == 0:                            # lse = M + log(sum_p s_p exp(m_p - M))
         big = NEG_INF
         for q in range(parts):
-            big = max(big, part_max[row_id, q])
+            big = max(big, load_l2(row_max, q))
         total = float32(0.0)
         for q in range(parts):
-            if part_max[row_id, q] > NEG_INF:
-                total += part_sum[row_id, q] * math.exp(part_max[row_id, q] - big)
+            m_q = load_l2(row_max, q)
+            if m_q > NEG_INF:
+                total += load_l2(row_sum, q) * math.exp(m_q - big)
         stats[0] = big + math.log(total) if big > NEG_INF else NEG_INF
-    cuda.syncthreads()                      # candidates and lse in place
-    bitonic_sort_desc(cand, n2, tid, T)
-    _write_top(cand, k, stats[0], row_id, tid, T, top_log_probs, top_token_ids)
+    cuda.syncthreads()                      # lists and lse in place
+    half = p2 // 2
+    while half > 0:                         # lists 0 .. 2 half - 1 -> 0 .. half - 1
+        for i in range(tid, half * k2, T):  # slot i of list q = i // k2, rank j = i % k2
+            j = i % k2
+            partner = lists[(i // k2 + half) * k2 + k2 - 1 - j]
+            if partner > lists[i]:
+                lists[i] = partner
+        cuda.syncthreads()                  # every list of winners in place
+        stride = k2 // 2
+        while stride > 0:                   # half-cleaners: sort each bitonic list
+            for i in range(tid, half * k2, T):
+                if i & stride == 0:         # pairs (i, i + stride) inside one list
+                    a = lists[i]
+                    b = lists[i + stride]
+                    if a < b:
+                        lists[i] = b
+                        lists[i + stride] = a
+            cuda.syncthreads()              # this step done before the next reads
+            stride //= 2
+        half //= 2
+    _write_top(lists, k, stats[0], row_id, tid, T, top_log_probs, top_token_ids)
+
+
+@cuda.jit
+def _merge_kernel(part_keys, part_max, part_sum, k, top_log_probs, top_token_ids):
+    """Grid ``(rows,)``, block ``(T,)``: :func:`merge_parts` for each row (the second launch of
+    a split row in the two-pass and one-pass variants)."""
+    lists = cuda.shared.array(MERGE_SLOTS, uint64)
+    stats = cuda.shared.array(1, float32)
+    merge_parts(part_keys, part_max, part_sum, cuda.blockIdx.x, k, lists, stats,
+                cuda.threadIdx.x, cuda.blockDim.x, top_log_probs, top_token_ids)
+
+
+def merge_slots(parts: int, k: int) -> int:
+    """Shared-memory keys :func:`_merge_kernel` holds for ``parts`` lists of ``k``: both
+    rounded up to powers of two."""
+    return (1 << max(0, parts - 1).bit_length()) * (1 << max(0, k - 1).bit_length())
+
+
+def max_parts(V: int, k: int) -> int:
+    """The most blocks a row may be split into: ``MAX_PARTS``, at most ``V``, and lists the
+    merge can hold (:func:`merge_slots` ``<= MERGE_SLOTS``)."""
+    parts = min(V, MAX_PARTS)
+    while parts > 1 and merge_slots(parts, k) > MERGE_SLOTS:
+        parts -= 1
+    return max(1, parts)
 
 
 #: ``_kernels(bf16)``: the two kernels for float32 or bfloat16 logits, made once per kind.
@@ -371,11 +436,15 @@ _kernels = functools.cache(_make_topk_kernels)
 
 
 def parts_per_row(rows: int, V: int, k: int) -> int:
-    """How many blocks read each row. Split only where it pays (H200, bench_small_kernels):
-    when the rows would keep at most a quarter of the SMs busy (bs = 1: 15 rows; at bs = 8,
-    120 rows, splitting measured slower), into as many parts as fit two blocks per SM, each
-    slice at least ``max(SPLIT_MIN_CHUNK, 64 k)`` logits (smaller slices lose to their own
-    sort), and ``parts * k <= MERGE_CAP`` candidates for the merge; otherwise 1."""
+    """How many blocks read each row. Where the resident kernel is the default
+    (:func:`resident_pays`), :func:`resident_parts`. Else split only where it pays (H200,
+    bench_small_kernels): when the rows would keep at most a quarter of the SMs busy (bs = 1:
+    15 rows; at bs = 8, 120 rows, splitting measured slower), into as many parts as fit two
+    blocks per SM, each slice at least ``max(SPLIT_MIN_CHUNK, 64 k)`` logits (smaller slices
+    lose to their own sort), and ``parts * k <= MERGE_CAP`` candidates for the merge;
+    otherwise 1."""
+    if resident_pays(rows, V, k):
+        return resident_parts(rows, V, k)
     sms = sm_count()
     if rows < 1 or 4 * rows > sms:
         return 1
@@ -383,17 +452,67 @@ def parts_per_row(rows: int, V: int, k: int) -> int:
     return max(1, min(2 * sms // rows, V // min_chunk, MERGE_CAP // k, MAX_PARTS))
 
 
+def resident_min_parts(V: int) -> int:
+    """The fewest blocks a row of ``V`` logits needs in the resident kernel: slices of at most
+    ``SLICE_CAP`` logits (whole 8-byte words)."""
+    from .draft_topk_resident import SLICE_CAP
+
+    return -(-V // SLICE_CAP)
+
+
+def resident_parts(rows: int, V: int, k: int) -> int:
+    """The resident kernel's blocks a row: one if the row fits a block, else the fewest that
+    hold it, raised to the next power of two (the merge's list count) while the grid stays
+    within the SMs and the merge's capacity (:func:`max_parts`)."""
+    need = resident_min_parts(V)
+    if need == 1:
+        return 1
+    pow2 = 1 << (need - 1).bit_length()
+    return max(need, min(pow2, sm_count() // max(rows, 1), max_parts(V, k)))
+
+
+def resident_pays(rows: int, V: int, k: int) -> bool:
+    """Whether the default takes the resident kernel: on a GPU, ``k <= RESIDENT_MAX_K``, ``V``
+    a multiple of 4 (whole 8-byte words in either type), rows too long for one block, and the
+    blocks it needs fit the SMs in one wave (``rows * resident_min_parts(V) <= SMs``: at bs 1,
+    L 15, V 163 840, 105 blocks). H200, bs 1, L 15, k 256: 40 against 73 us for the two-pass
+    kernel at V 163 840, 30 against 34 at V 32 000; at V 4 096 (a row a block) 19 against 17,
+    so there the two-pass kernel stays."""
+    from .draft_topk_resident import RESIDENT_MAX_K
+
+    if SIMULATOR or rows < 1 or k > RESIDENT_MAX_K or V % 4:
+        return False
+    need = resident_min_parts(V)
+    return 2 <= need <= max_parts(V, k) and rows * need <= sm_count()
+
+
+def resident_applies(logits_bits, k: int, parts: int) -> bool:
+    """Whether the ``"resident"`` variant takes these logits (the element-bit view
+    ``uint32|uint16[rows, V]``) in ``parts`` blocks a row: ``k <= RESIDENT_MAX_K``, rows of
+    whole 8-byte words, the first 8-byte aligned, and slices of at most ``SLICE_CAP``
+    logits."""
+    from .draft_topk_resident import RESIDENT_MAX_K, SLICE_CAP
+
+    per_word = 8 // logits_bits.dtype.itemsize
+    V = logits_bits.shape[1]
+    chunk_words = -(-(V // per_word) // parts)
+    return (k <= RESIDENT_MAX_K and V % per_word == 0 and data_address(logits_bits) % 8 == 0
+            and chunk_words * per_word <= SLICE_CAP)
+
+
 def allocate_topk_scratch(bs: int, L: int, V: int, k: int, parts: int | None = None):
-    """The buffers a split :func:`draft_topk` writes between its two launches (``None`` when
-    rows are not split): ``(part_keys uint64[rows, parts, k], part_max float32[rows, parts],
-    part_sum float32[rows, parts])``. Allocate once and pass as ``scratch=`` to keep the
-    launches capturable in a CUDA graph."""
+    """The buffers a split :func:`draft_topk` writes between its blocks (``None`` when rows
+    are not split): ``(part_keys uint64[rows, parts, k], part_max float32[rows, parts],
+    part_sum float32[rows, parts], row_done int32[rows])``; ``row_done`` starts at zero and
+    every call leaves it so (the resident kernel's count of finished parts). Allocate once
+    and pass as ``scratch=`` to keep the launches capturable in a CUDA graph; one call at a
+    time may use it."""
     rows = bs * L
     parts = parts_per_row(rows, V, k) if parts is None else parts
     if parts == 1:
         return None
     return (device_empty((rows, parts, k), np.uint64), device_empty((rows, parts), np.float32),
-            device_empty((rows, parts), np.float32))
+            device_empty((rows, parts), np.float32), as_device(np.zeros(rows, np.int32)))
 
 
 def filtered_applies(logits_bits, k: int) -> bool:
@@ -425,11 +544,16 @@ def filtered_pays(parts: int, V: int, k: int) -> bool:
 def default_variant(logits_bits, parts: int, k: int) -> str:
     """The variant :func:`~ddtree_numba.kernels.draft_topk` launches when none is asked for,
     on the element-bit view ``uint32|uint16[rows, V]`` of the logits split in ``parts`` blocks
-    a row:
-    ``"filtered"`` on a GPU where it applies (:func:`filtered_applies`) and pays
-    (:func:`filtered_pays`), else ``"two_pass"``."""
-    if (not SIMULATOR and filtered_pays(parts, logits_bits.shape[1], k)
-            and filtered_applies(logits_bits, k)):
+    a row: on a GPU, ``"resident"`` where it pays (:func:`resident_pays`) and applies
+    (:func:`resident_applies`), else ``"filtered"`` where that applies
+    (:func:`filtered_applies`) and pays (:func:`filtered_pays`), else ``"two_pass"`` (always
+    on the simulator)."""
+    rows, V = logits_bits.shape
+    if SIMULATOR:
+        return "two_pass"
+    if resident_pays(rows, V, k) and resident_applies(logits_bits, k, parts):
+        return "resident"
+    if filtered_pays(parts, V, k) and filtered_applies(logits_bits, k):
         return "filtered"
     return "two_pass"
 
@@ -449,19 +573,25 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, var
     out : tuple, optional
         Preallocated ``(float32[bs, L, k], int32[bs, L, k])`` device arrays.
     parts : int, optional
-        Blocks per row (``1 <= parts <= min(V, MERGE_CAP // k, 64)``); default
-        :func:`~ddtree_numba.kernels.draft_topk.parts_per_row`. With more than one, each
-        block selects in a slice of the row and a second launch merges the slices.
+        Blocks per row (``1 <= parts <=``
+        :func:`~ddtree_numba.kernels.draft_topk.max_parts`: at most 64, ``V``, and lists the
+        merge holds); default :func:`~ddtree_numba.kernels.draft_topk.parts_per_row`. With
+        more than one, each block selects in a slice of the row and a second launch merges
+        the slices.
     scratch : tuple, optional
         :func:`allocate_topk_scratch` buffers for those ``parts`` (allocated here if None;
         when ``parts`` is omitted, their shape sets it).
     variant : str, optional
-        ``"two_pass"`` or ``"filtered"`` (one pass over the logits: ``draft_topk_filtered``;
+        ``"two_pass"``; ``"filtered"`` (one pass over the logits: ``draft_topk_filtered``;
         a GPU with warp intrinsics, ``k <= 256`` and rows of whole 8-byte words:
-        :func:`~ddtree_numba.kernels.draft_topk.filtered_applies`). Default: ``"filtered"``
-        on a GPU where it applies and was measured faster
-        (:func:`~ddtree_numba.kernels.draft_topk.default_variant`: whole rows a block and
-        ``V >= 512 k``, float32 or bfloat16), else ``"two_pass"`` (always on the simulator).
+        :func:`~ddtree_numba.kernels.draft_topk.filtered_applies`); or ``"resident"`` (each
+        slice held in registers, read once: ``draft_topk_resident``; ``k <= 256``, whole
+        8-byte words, slices of at most 24 576 logits:
+        :func:`~ddtree_numba.kernels.draft_topk.resident_applies`; runs on the simulator
+        too). Default (:func:`~ddtree_numba.kernels.draft_topk.default_variant`):
+        ``"resident"`` on a GPU where its blocks fit the SMs in one wave (bs 1), else
+        ``"filtered"`` where it applies and was measured faster (whole rows a block and ``V >=
+        512 k``), else ``"two_pass"`` (always on the simulator).
 
     Returns
     -------
@@ -477,21 +607,22 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, var
     if parts is None:                       # given scratch fixes it (no device query)
         parts = (scratch[0].shape[1] if isinstance(scratch, tuple) and scratch
                  else parts_per_row(rows, sz.V, sz.k))
-    parts = require_int("parts", parts, low=1, high=max(1, min(sz.V, MERGE_CAP // sz.k,
-                                                                 MAX_PARTS)))
+    parts = require_int("parts", parts, low=1, high=max_parts(sz.V, sz.k))
     if parts > 1:
         if scratch is None:
             scratch = allocate_topk_scratch(sz.bs, sz.L, sz.V, sz.k, parts)
-        if not isinstance(scratch, tuple) or len(scratch) != 3:
+        if not isinstance(scratch, tuple) or len(scratch) != 4:
             raise TypeError(f"scratch: expected the tuple allocate_topk_scratch(bs, L, V, k, "
                             f"parts) returns, got {type(scratch).__name__}")
         sizes = {"rows": rows, "parts": parts, "k": sz.k}
         for i, (dtype, dims) in enumerate(((np.uint64, ("rows", "parts", "k")),
                                            (np.float32, ("rows", "parts")),
-                                           (np.float32, ("rows", "parts")))):
+                                           (np.float32, ("rows", "parts")),
+                                           (np.int32, ("rows",)))):
             require_array(f"scratch[{i}]", scratch[i], (dtype,), dims, sizes)
     if variant is not None:                 # else chosen below, from the logits' bits
-        variant = resolve_variant(variant, readable="two_pass", fast="filtered")
+        variant = resolve_variant(variant, readable="two_pass", fast="filtered",
+                                  anywhere=("resident",))
     is_bf16 = storage_kind(logits) == "bfloat16"
     if SIMULATOR and is_bf16:               # the simulator has no bf16: widen exactly on host
         logits = np.asarray(logits).astype(np.float32)
@@ -507,6 +638,13 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, var
         raise ValueError(f"variant: 'filtered' takes k <= {FILTER_MAX_K} and rows of whole "
                          f"8-byte words (V a multiple of {8 // bits.dtype.itemsize}, aligned); "
                          f"got k={sz.k}, V={sz.V}")
+    if variant == "resident" and not resident_applies(bits, sz.k, parts):
+        from .draft_topk_resident import RESIDENT_MAX_K, SLICE_CAP
+
+        raise ValueError(f"variant: 'resident' takes k <= {RESIDENT_MAX_K}, rows of whole "
+                         f"8-byte words (V a multiple of {8 // bits.dtype.itemsize}, aligned) "
+                         f"and slices of at most {SLICE_CAP} logits (parts >= "
+                         f"{resident_min_parts(sz.V)}); got k={sz.k}, V={sz.V}, parts={parts}")
     if out is None:
         top_lp = device_empty((sz.bs, sz.L, sz.k), np.float32)
         top_ids = device_empty((sz.bs, sz.L, sz.k), np.int32)
@@ -515,26 +653,36 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, var
     if rows:
         stream = launch_stream()
         outputs = (top_lp.reshape(rows, sz.k), top_ids.reshape(rows, sz.k))
-        if variant == "filtered":
-            from .draft_topk_filtered import FILTER_THREADS, filtered_kernels
+        if variant in ("filtered", "resident"):     # kernels that load 8-byte words
+            if variant == "filtered":
+                from .draft_topk_filtered import FILTER_THREADS as threads
+                from .draft_topk_filtered import filtered_kernels as kernels
+            else:
+                from .draft_topk_resident import RESIDENT_THREADS as threads
+                from .draft_topk_resident import resident_kernels as kernels
 
-            whole_row, part = filtered_kernels(is_bf16)
+            whole_row, part = kernels(is_bf16)
             words = bits.view(np.uint64)    # [rows, V / per_word]: 8-byte loads
             if parts == 1:
-                launch(whole_row, rows, FILTER_THREADS, stream)(words, bits, sz.k, *outputs)
-            else:
+                launch(whole_row, rows, threads, stream)(words, bits, sz.k, *outputs)
+            elif variant == "filtered":
                 chunk = math.ceil(words.shape[1] / parts)       # in words
-                launch(part, (rows, parts), FILTER_THREADS, stream)(words, bits, sz.k, chunk,
-                                                                    *scratch)
+                launch(part, (rows, parts), threads, stream)(words, bits, sz.k, chunk,
+                                                             *scratch[:3])
+            else:                           # the row's last block merges: one launch
+                chunk = math.ceil(words.shape[1] / parts)
+                launch(part, (rows, parts), threads, stream)(words, bits, sz.k, chunk,
+                                                             *scratch, *outputs)
         else:
             whole_row, part = _kernels(is_bf16)
             if parts == 1:
                 launch(whole_row, rows, TOPK_THREADS, stream)(bits, sz.k, *outputs)
             else:
                 chunk = math.ceil(sz.V / parts)
-                launch(part, (rows, parts), TOPK_THREADS, stream)(bits, sz.k, chunk, *scratch)
-        if parts > 1:
-            launch(_merge_kernel, rows, TOPK_THREADS, stream)(*scratch, sz.k, *outputs)
+                launch(part, (rows, parts), TOPK_THREADS, stream)(bits, sz.k, chunk,
+                                                                  *scratch[:3])
+        if parts > 1 and variant != "resident":
+            launch(_merge_kernel, rows, TOPK_THREADS, stream)(*scratch[:3], sz.k, *outputs)
     return top_lp, top_ids
 
 
@@ -566,6 +714,17 @@ def build_specs():
                        (*words, types.int64, *out), FILTER_THREADS, True),
             KernelSpec("draft_topk", f"{name} logits, one pass, row slices", part_kernel,
                        (*words, *part), FILTER_THREADS, True),
+        ]
+    from .draft_topk_resident import RESIDENT_THREADS, resident_kernels
+
+    for name, bits in (("float32", types.uint32), ("bfloat16", types.uint16)):
+        whole_row, part_kernel = resident_kernels(name == "bfloat16")
+        words = (types.uint64[:, ::1], bits[:, ::1])
+        specs += [
+            KernelSpec("draft_topk", f"{name} logits, resident", whole_row,
+                       (*words, types.int64, *out), RESIDENT_THREADS, True),
+            KernelSpec("draft_topk", f"{name} logits, resident, row slices", part_kernel,
+                       (*words, *part, types.int32[::1], *out), RESIDENT_THREADS, True),
         ]
     specs.append(KernelSpec("draft_topk", "merge of the slices", _merge_kernel,
                             (types.uint64[:, :, ::1], types.float32[:, ::1],

@@ -1,0 +1,291 @@
+"""Draft top-K with each slice of a row held in registers: ``draft_topk(..., variant="resident")``.
+
+At bs = 1 a step's drafter gives ``L = 15`` rows of ``V = 163 840`` logits: 9.8 MB, about 2.5 us
+of the H200's bandwidth, but only 15 rows for 132 SMs. This variant splits each row into
+``parts`` slices small enough for one block to *hold*: ``RESIDENT_THREADS`` threads a block,
+``LOGITS_PER_THREAD`` logits a thread, in registers (24 576 logits a block on a GPU). Each
+logit is read from DRAM once, with every load of a thread issued before any is used, and
+everything after the load works on registers: no second pass over the slice, no sort of it.
+The last block of a row to finish merges the parts' sorted lists (``draft_topk.merge_parts``),
+in the same launch; a row that fits one block (``parts == 1``) writes its outputs directly.
+
+Who holds what (``T`` threads, ``words``: the row viewed as 8-byte words, two float32 or four
+bfloat16 logits each; the block's slice is ``words[wlo:whi]``)::
+
+    thread t, register u     word wlo + u * T + t  (u < WORDS_PER_THREAD): a warp reads 256
+                             contiguous bytes a load, all loads of a thread in flight at once
+    keys[u * per_word + j]   the orderable key of logit j of that word (0: past the slice),
+                             logit id (wlo + u * T + t) * per_word + j
+
+Phases of a block, all on the registers (``kk = min(k, logits in the slice)``)::
+
+    1. max key of each thread; the block's max M (-> the max logit m) and F, the smallest of
+       the threads' maxima: at least one logit a thread is >= F, so when T >= kk at least
+       kk logits are >= F and nothing below F can be among the best kk (a *floor*)
+    2. s = sum of exp(x - m) over the slice (a block sum)
+    3. the bin of the kk-th largest key: a 256-bin histogram of the keys in [F, M], bin
+       255 - ((M - key) >> shift), ``shift`` the smallest that fits [F, M] into 256 bins
+       (shared atomics, only for keys >= F: for a smooth row about 15 % of them); a block
+       scan from the top bin finds the bin b holding the kk-th key. If the keys at or
+       above b are more than CAND_CAP (a crowded bin), the same histogram runs again on
+       bin b's range with 8 bits fewer of shift: at most 4 rounds (32 bits)
+    4. the keys >= b's lower edge (at most CAND_CAP, at least kk) gathered with a shared
+       counter as packed (key << 32 | ~id) and sorted descending (one a thread, in
+       registers and shuffles: ``_primitives.sort_desc_any``); the first kk are the best
+
+Why it is exact: the floor and each bin edge only ever drop keys that kk others outrank
+(``_find_threshold_digit`` counts from the top), and the final order is the packed key's,
+"key descending, id ascending", the reference's rank order. When all 32 bits are resolved
+and the ties at the kk-th key still do not fit CAND_CAP (rows of many equal logits, e.g.
+``-inf`` padding), the block runs the two-pass select (``draft_topk._select_top``) on its
+slice instead: a second read, exact, with its ties taken in id order. Correctness never
+depends on the data; speed does, a little (the floor F is loose when a row's large logits
+sit in a few threads' registers).
+
+Barriers: two for each of the three block reductions (a warp shuffle tree, then one value a
+warp in shared memory), two a histogram round plus the scan's three, two around the gather,
+and the sort's (about 20 at 512 candidates).
+
+Precision: the sum is float32 over ``LOGITS_PER_THREAD`` terms a thread and a block reduction
+(``log2 T`` more additions), so a part's ``s`` carries at most about ``(LOGITS_PER_THREAD +
+log2 T + 16)`` float32 epsilons; the merge adds its three a part. A term is ``exp2((x - m)
+log2 e)``, as in ``draft_topk_filtered`` (the hardware's ``ex2``, about ``2**-22`` relative,
+after one multiply): at most ``(2 + 1.2 ln V) 2**-23`` more relative error in the sum.
+
+The simulator runs this kernel as it is (64 threads, 8 logits a thread, so slices of 512
+logits): the reductions and the sort have simulator versions in ``_primitives``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from numba import cuda, float32, int32, uint32, uint64
+
+from ._device import SIMULATOR, kernel_for_block
+from ._primitives import (
+    block_max_u32,
+    block_scan_scratch,
+    block_sum_f32,
+    float_of_key,
+    orderable_key,
+    shr_u32,
+    sort_desc_any,
+)
+from .draft_topk import (
+    BINS,
+    MAX_THREADS,
+    MERGE_SLOTS,
+    NEG_INF,
+    SORT_CAP,
+    _find_threshold_digit,
+    _select_top,
+    _write_top,
+    merge_parts,
+)
+
+RESIDENT_THREADS = 64 if SIMULATOR else 512     # whole warps, <= MAX_THREADS
+LOGITS_PER_THREAD = 8 if SIMULATOR else 48      # a multiple of 4: whole words of either type
+SLICE_CAP = RESIDENT_THREADS * LOGITS_PER_THREAD  # logits a block holds (24 576 on a GPU)
+CAND_CAP = RESIDENT_THREADS                     # candidates sorted, one a thread
+RESIDENT_MAX_K = RESIDENT_THREADS // 2          # k <= T (the floor) with room for ties
+ROUND_BINS = 256                                # histogram bins a round: 8 bits of the key
+KEY_NEG_INF = uint32(0x007FFFFF)                # orderable_key of -inf's bits 0xFF800000
+LOG2E = float32(1.4426950408889634)             # exp(x) = exp2(x log2 e)
+SCAN_SCRATCH = block_scan_scratch(RESIDENT_THREADS)
+assert RESIDENT_THREADS <= MAX_THREADS and ROUND_BINS <= BINS and CAND_CAP <= SORT_CAP
+assert MERGE_SLOTS <= SORT_CAP                  # the last block merges in ``cand``
+assert SCAN_SCRATCH <= MAX_THREADS              # the two-pass fallback's scratch is as long
+
+
+def _make_resident_kernels(bf16: bool):
+    """``(whole_row_kernel, part_kernel)`` for float32 (``bf16=False``) or bfloat16 words."""
+    per_word = 4 if bf16 else 2                 # logits an 8-byte word holds
+    words_per_thread = LOGITS_PER_THREAD // per_word
+    value_bits = 16 if bf16 else 32
+    value_mask = uint64(0xFFFF if bf16 else 0xFFFFFFFF)
+    _, select_top = _select_top(bf16)           # the fallback
+
+    @cuda.jit(device=True, inline=True)
+    def float_bits(word, j):
+        """The float32 bits of logit ``j`` of an 8-byte word (little-endian: logit 0 is the
+        low half or quarter; a bfloat16 is the top half of a float32)."""
+        value = uint32((word >> uint64(value_bits * j)) & value_mask)
+        return value << uint32(16) if bf16 else value
+
+    @cuda.jit(device=True, inline=True)
+    def resident_select(words, bits, wlo, whi, k, tid, cand, hist, scratch, result, red_u,
+                        red_f, n_cand):
+        """Phases 1-4 on ``words[wlo:whi]`` of one row (every thread calls it): afterwards
+        ``cand[0:kk]`` holds the slice's ``kk = min(k, logits)`` best packed candidates, best
+        first. Returns ``(m, s, kk)``: the slice's max logit and its sum of ``exp(x - m)``."""
+        T = RESIDENT_THREADS
+        raw = cuda.local.array(words_per_thread, uint64)
+        keys = cuda.local.array(LOGITS_PER_THREAD, uint32)
+        for u in range(words_per_thread):       # every load in flight before any is used
+            w = uint64(wlo) + uint64(u * T + tid)
+            raw[u] = words[w] if w < uint64(whi) else uint64(0)
+        top_t = uint32(0)                       # this thread's largest key (0: holds none)
+        for u in range(words_per_thread):
+            held = uint64(wlo) + uint64(u * T + tid) < uint64(whi)
+            for j in range(per_word):
+                key = orderable_key(float_bits(raw[u], j)) if held else uint32(0)
+                keys[u * per_word + j] = key
+                top_t = max(top_t, key)
+
+        # 1. the block's max key M, and the floor F = the smallest of the threads' maxima
+        #    (as ~max(~max_t): a thread that holds nothing gives 0, the max's neutral)
+        key_max = block_max_u32(red_u, top_t, tid, T)
+        floor = uint32(~block_max_u32(red_u, uint32(~top_t) if top_t > 0 else uint32(0), tid,
+                                      T))
+        n_words = whi - wlo
+        kk = min(k, n_words * per_word)
+        if min(T, n_words) < kk:                # fewer threads hold logits than kk: no floor
+            floor = uint32(1)
+        floor = max(floor, uint32(1))           # never the "none" key 0 (past the slice)
+
+        # 2. sum of exp(x - m) (a -inf logit adds nothing; m = -inf when all are), each term
+        #    as exp2((x - m) log2 e): one multiply and the hardware's ex2 (precision above)
+        m = float_of_key(key_max)
+        s = float32(0.0)
+        for i in range(LOGITS_PER_THREAD):
+            if keys[i] > KEY_NEG_INF:
+                s += math.exp2((float_of_key(keys[i]) - m) * LOG2E)
+        total = block_sum_f32(red_f, s, tid, T)
+
+        # 3. rounds of a 256-bin histogram over [low, top] until the keys at or above the
+        #    bin of the kk-th key fit CAND_CAP
+        top = key_max
+        low = floor
+        span = top - low
+        shift = uint32(0)
+        while (span >> shift) >= uint32(ROUND_BINS):   # smallest shift fitting 256 bins
+            shift = uint32(shift + 8)
+        need = kk                               # rank of the kk-th key among keys <= top
+        above = 0                               # keys > top (bins of earlier rounds)
+        edge = uint32(0)                        # the gather's cut when it succeeds
+        while True:
+            for d in range(tid, ROUND_BINS, T):
+                hist[d] = 0
+            cuda.syncthreads()                  # bins cleared before the atomics
+            for i in range(LOGITS_PER_THREAD):
+                key = keys[i]
+                if key >= low and key <= top:   # bin 255 holds top, bin 0 the lowest keys
+                    bin_down = int32(shr_u32(uint32(top - key), shift))   # 32-bit ops only
+                    cuda.atomic.add(hist, int32(ROUND_BINS - 1 - bin_down), 1)
+            cuda.syncthreads()                  # histogram complete
+            _find_threshold_digit(hist, ROUND_BINS, need, scratch, result, tid, T)
+            b = uint32(result[0])               # the bin of the need-th key from the top
+            above += result[1]                  # keys in the bins above b
+            need -= result[1]
+            in_bin = result[2]
+            bin_top = uint32(top - ((uint32(ROUND_BINS - 1) - b) << shift))
+            bin_width = uint32(1) << shift      # the bin's keys: (bin_top - width, bin_top]
+            bin_low = low if bin_top - low < bin_width else uint32(bin_top - (bin_width - 1))
+            if above + in_bin <= CAND_CAP:
+                edge = bin_low
+                break
+            if shift == 0:                      # ties at one key crowd the candidates
+                break
+            top = bin_top
+            low = bin_low
+            shift = uint32(shift - 8)           # bin_top - bin_low < 2 ** (shift + 8)
+            # (result is rewritten only after the next round's two barriers)
+
+        if edge == 0:                           # the two-pass select on the slice (reads it
+            per = per_word                      # again from global memory; uniform branch)
+            return select_top(bits, wlo * per, whi * per, k, tid, T, cand, hist, scratch,
+                              result, red_u, red_f, n_cand)
+
+        # 4. gather the keys >= edge (above + in_bin of them) and sort them (the compiler
+        #    aggregates each key's atomic over the warp: one ATOMS for the lanes that pass)
+        if tid == 0:
+            n_cand[0] = 0
+        cuda.syncthreads()                      # counter reset before the atomics
+        for i in range(LOGITS_PER_THREAD):
+            key = keys[i]
+            if key >= edge:                     # key i: logit i % per_word of word i // per_word
+                logit_id = uint32((wlo + (i // per_word) * T + tid) * per_word + i % per_word)
+                slot = cuda.atomic.add(n_cand, 0, 1)
+                cand[slot] = (uint64(key) << uint64(32)) | uint64(0xFFFFFFFF - logit_id)
+        cuda.syncthreads()                      # every candidate written
+        sort_desc_any(cand, n_cand[0], tid, T)
+        return m, total, kk
+
+    @cuda.jit(device=True, inline=True)
+    def shared_state():
+        """The kernel's shared arrays, one a line (the simulator tells them apart by line):
+        ``(cand, hist, scratch, result, red_u, red_f, n_cand)``, sized for the two-pass
+        fallback (about 45 KiB on a GPU)."""
+        cand = cuda.shared.array(SORT_CAP, uint64)
+        hist = cuda.shared.array(BINS, int32)
+        scratch = cuda.shared.array(MAX_THREADS, int32)
+        result = cuda.shared.array(3, int32)
+        red_u = cuda.shared.array(MAX_THREADS, uint32)
+        red_f = cuda.shared.array(MAX_THREADS, float32)
+        n_cand = cuda.shared.array(1, int32)
+        return cand, hist, scratch, result, red_u, red_f, n_cand
+
+    @kernel_for_block(RESIDENT_THREADS)
+    def whole_row_kernel(words, bits, k, top_log_probs, top_token_ids):
+        """Grid ``(rows,)``, block ``(RESIDENT_THREADS,)``: row ``words[row]`` (at most
+        ``SLICE_CAP`` logits) -> its K outputs."""
+        row_id = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        cand, hist, scratch, result, red_u, red_f, n_cand = shared_state()
+        m, total, _ = resident_select(words[row_id], bits[row_id], 0, words.shape[1], k, tid,
+                                      cand, hist, scratch, result, red_u, red_f, n_cand)
+        lse = m + math.log(total) if m > NEG_INF else NEG_INF
+        _write_top(cand, k, lse, row_id, tid, RESIDENT_THREADS, top_log_probs, top_token_ids)
+
+    @kernel_for_block(RESIDENT_THREADS)
+    def part_kernel(words, bits, k, chunk, part_keys, part_max, part_sum, row_done,
+                    top_log_probs, top_token_ids):
+        """Grid ``(rows, parts)``: block ``(row, p)`` selects in ``words[row, p * chunk:(p +
+        1) * chunk]`` (``chunk <= SLICE_CAP / per_word`` words) and writes what the two-pass
+        part kernel writes: its best ``k`` packed candidates sorted (``0`` past the slice's
+        length), its max logit and its sum of ``exp(x - max)``. The row's last block to finish
+        (``row_done[row]``, an atomic count the last block resets to 0) then merges the row's
+        parts (``draft_topk.merge_parts``) and writes its K outputs: one launch a call."""
+        row_id = cuda.blockIdx.x
+        p = cuda.blockIdx.y
+        parts = cuda.gridDim.y
+        tid = cuda.threadIdx.x
+        n_words = words.shape[1]
+        lo = min(p * chunk, n_words)
+        hi = min(lo + chunk, n_words)
+        cand, hist, scratch, result, red_u, red_f, n_cand = shared_state()
+        if lo == hi:                            # an empty slice: no candidates
+            for r in range(tid, k, RESIDENT_THREADS):
+                part_keys[row_id, p, r] = uint64(0)
+            if tid == 0:
+                part_max[row_id, p] = NEG_INF
+                part_sum[row_id, p] = float32(0.0)
+        else:
+            m, total, kk = resident_select(words[row_id], bits[row_id], lo, hi, k, tid, cand,
+                                           hist, scratch, result, red_u, red_f, n_cand)
+            for r in range(tid, k, RESIDENT_THREADS):
+                part_keys[row_id, p, r] = cand[r] if r < kk else uint64(0)
+            if tid == 0:
+                part_max[row_id, p] = m
+                part_sum[row_id, p] = total
+        # Count this part done. Each thread fences its own writes (visible to every SM before
+        # the count can be), the barrier orders all of them before thread 0's atomic, whose
+        # old value tells whether every other part of the row has counted already.
+        cuda.threadfence()
+        cuda.syncthreads()                      # the block's writes fenced
+        if tid == 0:
+            result[0] = cuda.atomic.add(row_done, row_id, 1)
+        cuda.syncthreads()                      # result[0] visible to the block
+        if result[0] == parts - 1:              # the row's last block (a uniform branch)
+            if tid == 0:
+                row_done[row_id] = 0            # counted from 0 again by the next launch
+            merge_parts(part_keys, part_max, part_sum, row_id, k, cand, red_f, tid,
+                        RESIDENT_THREADS, top_log_probs, top_token_ids)
+
+    return whole_row_kernel, part_kernel
+
+
+#: ``resident_kernels(bf16)``: the two kernels for float32 or bfloat16 logits, made once.
+resident_kernels = functools.cache(_make_resident_kernels)
