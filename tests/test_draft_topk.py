@@ -330,6 +330,21 @@ def test_resident_kernel_with_its_gpu_reductions_on_emulated_shuffles(monkeypatc
         check_kernel(x, k, parts, variant="resident")
 
 
+def test_resident_scratch_counts_return_to_zero():
+    """The count of finished parts wraps to 0 in every row, so the same scratch serves the
+    next call (and every replay of a captured graph) with the same result."""
+    from ddtree_numba.kernels.draft_topk import allocate_topk_scratch
+    from ddtree_numba.kernels.draft_topk_resident import SLICE_CAP
+
+    x = np.random.default_rng(9).standard_normal((1, 3, 3 * SLICE_CAP)).astype(np.float32)
+    scratch = allocate_topk_scratch(1, 3, x.shape[2], 12, parts=3)
+    want = ref.draft_topk(x, 12)[1]
+    for _ in range(2):
+        _, ids = K.draft_topk(x, 12, parts=3, scratch=scratch, variant="resident")
+        np.testing.assert_array_equal(ids.copy_to_host(), want)
+        assert (scratch[3].copy_to_host() == 0).all()
+
+
 def test_resident_bfloat16_kernel():
     """The bfloat16 resident kernel itself (``draft_topk`` widens bfloat16 on the simulator,
     so it is launched by hand on the bits): four logits a word; ids exact, log-probs within

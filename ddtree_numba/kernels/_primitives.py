@@ -52,11 +52,6 @@ caller's buffer must hold that many), then sorts; the padding sinks to the end.
 *32-bit shifts.* ``shr_u32(x, shift)`` is ``uint32(x) >> shift`` in one 32-bit instruction
 (numba would shift in 64 bits: three instructions, in loops that run once a logit).
 
-*Loads through L2.* ``load_l2(array, index)`` (1-D arrays) is ``ld.global.cg``: the load skips
-the SM's L1, which is not coherent with other SMs' writes, and reads L2, which is. A block that
-reads what other blocks of the same launch wrote (after their ``threadfence`` and an atomic
-that tells it they are done) must read it this way. On the simulator, a plain load.
-
 *Unfused products.* On a GPU, NVVM fuses a multiply whose result feeds an add into one
 fused multiply-add, rounded once, where numpy rounds the product and then the sum. Where a
 kernel must equal its numpy twin bit for bit, ``mul_rn(a, b)`` is the float32 product as
@@ -88,9 +83,6 @@ if SIMULATOR:
 
     def mul_rn(a, b):
         return np.float32(a) * np.float32(b)
-
-    def load_l2(array, index):
-        return array[index]
 
     def shr_u32(x, shift):
         return np.uint32(np.uint32(x) >> np.uint32(shift))
@@ -130,30 +122,6 @@ else:
             return builder.lshr(value, amount)
 
         return types.uint32(x, shift), codegen
-
-    @intrinsic
-    def load_l2(typingctx, array, index):
-        """``array[index]`` (1-D, C-contiguous, 32- or 64-bit elements, an index in range) by
-        ``ld.global.cg``: from L2, never a stale L1 line. (``cuda.ldcg`` emits the same
-        instruction, but its overload needs a driver to compile, and the build report
-        compiles without one.) Marked as having side effects, so that no compiler pass moves
-        it above the barrier and the atomic that order it after the other blocks' writes."""
-        if not (isinstance(array, types.Array) and array.ndim == 1 and array.layout == "C"
-                and isinstance(index, types.Integer) and array.dtype.bitwidth in (32, 64)):
-            return None
-        width = array.dtype.bitwidth
-
-        def codegen(context, builder, signature, args):
-            values, i = args
-            data = context.make_array(signature.args[0])(context, builder, value=values).data
-            pointer = builder.gep(data, [i])
-            value_type = context.get_value_type(signature.return_type)
-            asm = ir.InlineAsm(ir.FunctionType(value_type, [pointer.type]),
-                               f"ld.global.cg.b{width} $0, [$1];",
-                               "=l,l" if width == 64 else "=r,l", side_effect=True)
-            return builder.call(asm, [pointer])
-
-        return array.dtype(array, index), codegen
 
     @intrinsic
     def warp_max_u32(typingctx, value):

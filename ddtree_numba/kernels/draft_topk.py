@@ -84,7 +84,6 @@ from ._primitives import (
     block_max,
     block_sum,
     float_of_key,
-    load_l2,
     orderable_key,
     sort_desc_any,
 )
@@ -348,8 +347,7 @@ def merge_parts(part_keys, part_max, part_sum, row_id, k, lists, stats, tid, T, 
     """The row's top K from its parts' sorted lists (each part's best ``k`` contain every one
     of the row's best ``k`` that lies in the part), and its log-sum-exp from the parts' ``(max,
     sum)``; every thread of the block calls it. ``lists``: ``MERGE_SLOTS`` shared uint64,
-    ``stats``: one shared float32. The parts' arrays are read through L2 (``load_l2``): the
-    resident kernel's last block reads what other blocks of the same launch wrote.
+    ``stats``: one shared float32.
 
     A tree of pairwise merges that keep only the best ``k2`` (``k`` rounded up to a power of
     two; the lists padded with key 0 to ``k2`` and to a power-of-two count ``P2``). Lists
@@ -371,16 +369,16 @@ def merge_parts(part_keys, part_max, part_sum, row_id, k, lists, stats, tid, T, 
     for i in range(tid, p2 * k2, T):        # slot i: part i // k2, rank i % k2
         q = i // k2
         r = i % k2
-        lists[i] = load_l2(part_keys[row_id, q], r) if q < parts and r < k else uint64(0)
+        lists[i] = part_keys[row_id, q, r] if q < parts and r < k else uint64(0)
     if tid == 0:                            # lse = M + log(sum_p s_p exp(m_p - M))
         big = NEG_INF
         for q in range(parts):
-            big = max(big, load_l2(row_max, q))
+            big = max(big, row_max[q])
         total = float32(0.0)
         for q in range(parts):
-            m_q = load_l2(row_max, q)
+            m_q = row_max[q]
             if m_q > NEG_INF:
-                total += load_l2(row_sum, q) * math.exp(m_q - big)
+                total += row_sum[q] * math.exp(m_q - big)
         stats[0] = big + math.log(total) if big > NEG_INF else NEG_INF
     cuda.syncthreads()                      # lists and lse in place
     half = p2 // 2
@@ -503,7 +501,7 @@ def resident_applies(logits_bits, k: int, parts: int) -> bool:
 def allocate_topk_scratch(bs: int, L: int, V: int, k: int, parts: int | None = None):
     """The buffers a split :func:`draft_topk` writes between its blocks (``None`` when rows
     are not split): ``(part_keys uint64[rows, parts, k], part_max float32[rows, parts],
-    part_sum float32[rows, parts], row_done int32[rows])``; ``row_done`` starts at zero and
+    part_sum float32[rows, parts], row_done uint32[rows])``; ``row_done`` starts at zero and
     every call leaves it so (the resident kernel's count of finished parts). Allocate once
     and pass as ``scratch=`` to keep the launches capturable in a CUDA graph; one call at a
     time may use it."""
@@ -512,7 +510,7 @@ def allocate_topk_scratch(bs: int, L: int, V: int, k: int, parts: int | None = N
     if parts == 1:
         return None
     return (device_empty((rows, parts, k), np.uint64), device_empty((rows, parts), np.float32),
-            device_empty((rows, parts), np.float32), as_device(np.zeros(rows, np.int32)))
+            device_empty((rows, parts), np.float32), as_device(np.zeros(rows, np.uint32)))
 
 
 def filtered_applies(logits_bits, k: int) -> bool:
@@ -618,7 +616,7 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, var
         for i, (dtype, dims) in enumerate(((np.uint64, ("rows", "parts", "k")),
                                            (np.float32, ("rows", "parts")),
                                            (np.float32, ("rows", "parts")),
-                                           (np.int32, ("rows",)))):
+                                           (np.uint32, ("rows",)))):
             require_array(f"scratch[{i}]", scratch[i], (dtype,), dims, sizes)
     if variant is not None:                 # else chosen below, from the logits' bits
         variant = resolve_variant(variant, readable="two_pass", fast="filtered",
@@ -724,7 +722,7 @@ def build_specs():
             KernelSpec("draft_topk", f"{name} logits, resident", whole_row,
                        (*words, types.int64, *out), RESIDENT_THREADS, True),
             KernelSpec("draft_topk", f"{name} logits, resident, row slices", part_kernel,
-                       (*words, *part, types.int32[::1], *out), RESIDENT_THREADS, True),
+                       (*words, *part, types.uint32[::1], *out), RESIDENT_THREADS, True),
         ]
     specs.append(KernelSpec("draft_topk", "merge of the slices", _merge_kernel,
                             (types.uint64[:, :, ::1], types.float32[:, ::1],

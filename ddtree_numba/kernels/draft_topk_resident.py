@@ -246,7 +246,7 @@ def _make_resident_kernels(bf16: bool):
         1) * chunk]`` (``chunk <= SLICE_CAP / per_word`` words) and writes what the two-pass
         part kernel writes: its best ``k`` packed candidates sorted (``0`` past the slice's
         length), its max logit and its sum of ``exp(x - max)``. The row's last block to finish
-        (``row_done[row]``, an atomic count the last block resets to 0) then merges the row's
+        (``row_done[row]``: an atomic count of arrivals that wraps to 0) then merges the row's
         parts (``draft_topk.merge_parts``) and writes its K outputs: one launch a call."""
         row_id = cuda.blockIdx.x
         p = cuda.blockIdx.y
@@ -270,17 +270,19 @@ def _make_resident_kernels(bf16: bool):
             if tid == 0:
                 part_max[row_id, p] = m
                 part_sum[row_id, p] = total
-        # Count this part done. Each thread fences its own writes (visible to every SM before
-        # the count can be), the barrier orders all of them before thread 0's atomic, whose
-        # old value tells whether every other part of the row has counted already.
-        cuda.threadfence()
-        cuda.syncthreads()                      # the block's writes fenced
+        # Count this part done (as verify_attn's fused merge does). Each thread's fence orders
+        # its stores before the barrier, the barrier before thread 0's count of arrivals;
+        # atomic.inc wraps to 0 after the last part, so every count is 0 again for the next
+        # launch, with no reset. The last block's threads fence again before they read what
+        # the other parts wrote.
+        cuda.threadfence()                      # this thread's stores are visible GPU-wide
+        cuda.syncthreads()                      # ... and so every thread's of this block
         if tid == 0:
-            result[0] = cuda.atomic.add(row_done, row_id, 1)
-        cuda.syncthreads()                      # result[0] visible to the block
-        if result[0] == parts - 1:              # the row's last block (a uniform branch)
-            if tid == 0:
-                row_done[row_id] = 0            # counted from 0 again by the next launch
+            arrived = cuda.atomic.inc(row_done, row_id, uint32(parts - 1))
+            result[0] = 1 if arrived == uint32(parts - 1) else 0
+        cuda.syncthreads()                      # the flag is set
+        if result[0] == 1:                      # the row's last block (a uniform branch)
+            cuda.threadfence()                  # (in every thread, before its reads)
             merge_parts(part_keys, part_max, part_sum, row_id, k, cand, red_f, tid,
                         RESIDENT_THREADS, top_log_probs, top_token_ids)
 
