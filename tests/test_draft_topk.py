@@ -330,6 +330,26 @@ def test_resident_kernel_with_its_gpu_reductions_on_emulated_shuffles(monkeypatc
         check_kernel(x, k, parts, variant="resident")
 
 
+def test_resident_kernel_stays_in_bounds_on_unchecked_nan():
+    """NaN is outside the contract, but an unchecked call must stay in bounds and write ids of
+    the row: quiet NaNs (the top keys, many ties: the two-pass fallback) give real, distinct
+    ids; NaNs of bits 0xFFFFFFFF (key 0, which the kernel reads as "no logit"; the threads
+    holding only those break the floor's premise) leave fewer candidates than k: real ids of
+    the row, then the "none" id -1."""
+    from ddtree_numba.kernels.draft_topk_resident import RESIDENT_MAX_K, SLICE_CAP
+
+    x = np.random.default_rng(8).standard_normal((1, 2, SLICE_CAP)).astype(np.float32)
+    x[0, 0, : SLICE_CAP - 12] = np.nan
+    x[0, 1].view(np.uint32)[: SLICE_CAP - 12] = 0xFFFFFFFF
+    _, ids = K.draft_topk(x, RESIDENT_MAX_K, check=False, variant="resident")
+    ids = ids.copy_to_host()[0]
+    assert ((0 <= ids[0]) & (ids[0] < SLICE_CAP)).all()
+    assert len(set(ids[0].tolist())) == RESIDENT_MAX_K
+    real = ids[1][ids[1] >= 0]
+    assert 1 <= real.size <= 12 and (real >= SLICE_CAP - 12).all() and (real < SLICE_CAP).all()
+    assert (ids[1, real.size:] == -1).all()
+
+
 def test_resident_scratch_counts_return_to_zero():
     """The count of finished parts wraps to 0 in every row, so the same scratch serves the
     next call (and every replay of a captured graph) with the same result."""

@@ -61,7 +61,7 @@ from __future__ import annotations
 import functools
 import math
 
-from numba import cuda, float32, int32, uint32, uint64
+from numba import cuda, float32, int32, int64, uint32, uint64
 
 from ._device import SIMULATOR, kernel_for_block
 from ._primitives import (
@@ -168,7 +168,12 @@ def _make_resident_kernels(bf16: bool):
         while True:
             for d in range(tid, ROUND_BINS, T):
                 hist[d] = 0
-            cuda.syncthreads()                  # bins cleared before the atomics
+            cuda.syncthreads()                  # bins cleared before the atomics, and every
+            if tid == 0:                        # thread read the last round's result: what
+                result[0] = 0                   # the search leaves if no bin holds the
+                result[1] = 0                   # need-th key (fewer keys in range than need:
+                result[2] = 0                   # only NaNs of bits 0xFFFFFFFF, key 0 as if
+                                                # absent, in an unchecked row) is bin 0
             for i in range(LOGITS_PER_THREAD):
                 key = keys[i]
                 if key >= low and key <= top:   # bin 255 holds top, bin 0 the lowest keys
@@ -180,18 +185,19 @@ def _make_resident_kernels(bf16: bool):
             above += result[1]                  # keys in the bins above b
             need -= result[1]
             in_bin = result[2]
-            bin_top = uint32(top - ((uint32(ROUND_BINS - 1) - b) << shift))
-            bin_width = uint32(1) << shift      # the bin's keys: (bin_top - width, bin_top]
-            bin_low = low if bin_top - low < bin_width else uint32(bin_top - (bin_width - 1))
+            # bin b's keys: [bin_top - width + 1, bin_top], cut at low (signed: the default
+            # bin 0 of the search above may lie below 0)
+            bin_top = int64(top) - int64((uint32(ROUND_BINS - 1) - b) << shift)
+            bin_width = int64(1) << shift
+            bin_low = uint32(max(int64(low), bin_top - (bin_width - 1)))
             if above + in_bin <= CAND_CAP:
                 edge = bin_low
                 break
             if shift == 0:                      # ties at one key crowd the candidates
                 break
-            top = bin_top
+            top = uint32(bin_top)               # (>= low here: it holds the need-th key)
             low = bin_low
             shift = uint32(shift - 8)           # bin_top - bin_low < 2 ** (shift + 8)
-            # (result is rewritten only after the next round's two barriers)
 
         if edge == 0:                           # the two-pass select on the slice (reads it
             per = per_word                      # again from global memory; uniform branch)
@@ -208,9 +214,13 @@ def _make_resident_kernels(bf16: bool):
             if key >= edge:                     # key i: logit i % per_word of word i // per_word
                 logit_id = uint32((wlo + (i // per_word) * T + tid) * per_word + i % per_word)
                 slot = cuda.atomic.add(n_cand, 0, 1)
-                cand[slot] = (uint64(key) << uint64(32)) | uint64(0xFFFFFFFF - logit_id)
+                if slot < CAND_CAP:             # always, but for an unchecked row of NaNs
+                    cand[slot] = (uint64(key) << uint64(32)) | uint64(0xFFFFFFFF - logit_id)
         cuda.syncthreads()                      # every candidate written
-        sort_desc_any(cand, n_cand[0], tid, T)
+        n = min(n_cand[0], CAND_CAP)
+        for i in range(n + tid, kk, T):         # fewer than kk (the same NaNs): "none" keys
+            cand[i] = uint64(0)
+        sort_desc_any(cand, n, tid, T)          # (its barrier orders the stores above)
         return m, total, kk
 
     @cuda.jit(device=True, inline=True)
