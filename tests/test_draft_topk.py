@@ -330,12 +330,12 @@ def test_resident_kernel_with_its_gpu_reductions_on_emulated_shuffles(monkeypatc
         check_kernel(x, k, parts, variant="resident")
 
 
-def test_resident_kernel_stays_in_bounds_on_unchecked_nan():
+def test_resident_kernel_writes_real_ids_for_unchecked_nan():
     """NaN is outside the contract, but an unchecked call must stay in bounds and write ids of
-    the row: quiet NaNs (the top keys, many ties: the two-pass fallback) give real, distinct
-    ids; NaNs of bits 0xFFFFFFFF (key 0, which the kernel reads as "no logit"; the threads
-    holding only those break the floor's premise) leave fewer candidates than k: real ids of
-    the row, then the "none" id -1."""
+    the row. Quiet NaNs are the top keys (many ties: the two-pass fallback). NaNs of bits
+    0xFFFFFFFF get key 0, which the kernel reads as "no logit": threads that hold only those
+    take the floor away, the search finds fewer keys in range than k and the slice takes the
+    two-pass select, which ranks them last: the 12 real logits, then NaN ids in id order."""
     from ddtree_numba.kernels.draft_topk_resident import RESIDENT_MAX_K, SLICE_CAP
 
     x = np.random.default_rng(8).standard_normal((1, 2, SLICE_CAP)).astype(np.float32)
@@ -343,11 +343,10 @@ def test_resident_kernel_stays_in_bounds_on_unchecked_nan():
     x[0, 1].view(np.uint32)[: SLICE_CAP - 12] = 0xFFFFFFFF
     _, ids = K.draft_topk(x, RESIDENT_MAX_K, check=False, variant="resident")
     ids = ids.copy_to_host()[0]
-    assert ((0 <= ids[0]) & (ids[0] < SLICE_CAP)).all()
+    assert ((0 <= ids) & (ids < SLICE_CAP)).all()
     assert len(set(ids[0].tolist())) == RESIDENT_MAX_K
-    real = ids[1][ids[1] >= 0]
-    assert 1 <= real.size <= 12 and (real >= SLICE_CAP - 12).all() and (real < SLICE_CAP).all()
-    assert (ids[1, real.size:] == -1).all()
+    assert sorted(ids[1, :12].tolist()) == list(range(SLICE_CAP - 12, SLICE_CAP))
+    assert ids[1, 12:].tolist() == list(range(RESIDENT_MAX_K - 12))
 
 
 def test_resident_scratch_counts_return_to_zero():
@@ -425,6 +424,8 @@ def test_the_default_takes_the_resident_kernel_where_its_blocks_fit_one_wave(mon
     assert not module.resident_pays(15, 163840, 257)
     assert not module.resident_pays(15, 163842, 16)             # whole float32 words only
     assert module.parts_per_row(15, 163840, 256) == 8
+    assert module.parts_per_row(15, 163840, 256, "two_pass") == 4      # its own rule
+    assert module.parts_per_row(120, 163840, 256, "resident") == 7     # asked for: it holds
 
 
 def test_split_row_with_an_empty_slice():

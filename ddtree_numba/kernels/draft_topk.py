@@ -433,15 +433,16 @@ def max_parts(V: int, k: int) -> int:
 _kernels = functools.cache(_make_topk_kernels)
 
 
-def parts_per_row(rows: int, V: int, k: int) -> int:
-    """How many blocks read each row. Where the resident kernel is the default
-    (:func:`resident_pays`), :func:`resident_parts`. Else split only where it pays (H200,
+def parts_per_row(rows: int, V: int, k: int, variant: str | None = None) -> int:
+    """How many blocks read each row, for ``variant`` (``None``: the default). For the
+    resident kernel, asked for or the default (:func:`resident_pays`), :func:`resident_parts`.
+    Else split only where it pays (H200,
     bench_small_kernels): when the rows would keep at most a quarter of the SMs busy (bs = 1:
     15 rows; at bs = 8, 120 rows, splitting measured slower), into as many parts as fit two
     blocks per SM, each slice at least ``max(SPLIT_MIN_CHUNK, 64 k)`` logits (smaller slices
     lose to their own sort), and ``parts * k <= MERGE_CAP`` candidates for the merge;
     otherwise 1."""
-    if resident_pays(rows, V, k):
+    if variant == "resident" or (variant is None and resident_pays(rows, V, k)):
         return resident_parts(rows, V, k)
     sms = sm_count()
     if rows < 1 or 4 * rows > sms:
@@ -502,7 +503,8 @@ def allocate_topk_scratch(bs: int, L: int, V: int, k: int, parts: int | None = N
     """The buffers a split :func:`draft_topk` writes between its blocks (``None`` when rows
     are not split): ``(part_keys uint64[rows, parts, k], part_max float32[rows, parts],
     part_sum float32[rows, parts], row_done uint32[rows])``; ``row_done`` starts at zero and
-    every call leaves it so (the resident kernel's count of finished parts). Allocate once
+    every call leaves it so (the resident kernel's count of finished parts: a tuple made by
+    hand must start it at zero too). Allocate once
     and pass as ``scratch=`` to keep the launches capturable in a CUDA graph; one call at a
     time may use it."""
     rows = bs * L
@@ -573,12 +575,15 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, var
     parts : int, optional
         Blocks per row (``1 <= parts <=``
         :func:`~ddtree_numba.kernels.draft_topk.max_parts`: at most 64, ``V``, and lists the
-        merge holds); default :func:`~ddtree_numba.kernels.draft_topk.parts_per_row`. With
+        merge holds); default :func:`~ddtree_numba.kernels.draft_topk.parts_per_row` for the
+        variant asked for (or the default one). With
         more than one, each block selects in a slice of the row and a second launch merges
         the slices.
     scratch : tuple, optional
         :func:`allocate_topk_scratch` buffers for those ``parts`` (allocated here if None;
-        when ``parts`` is omitted, their shape sets it).
+        when ``parts`` is omitted, their shape sets it): four arrays (the fourth, a count the
+        resident kernel keeps, is new in this version; the three-array tuple of earlier
+        versions is refused).
     variant : str, optional
         ``"two_pass"``; ``"filtered"`` (one pass over the logits: ``draft_topk_filtered``;
         a GPU with warp intrinsics, ``k <= 256`` and rows of whole 8-byte words:
@@ -602,9 +607,12 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, var
     if sz.k > MAX_K:
         raise ValueError(f"k: expected at most {MAX_K} (the shared-memory sort), got {sz.k}")
     rows = sz.bs * sz.L
+    if variant is not None:                 # else chosen below, from the logits' bits
+        variant = resolve_variant(variant, readable="two_pass", fast="filtered",
+                                  anywhere=("resident",))
     if parts is None:                       # given scratch fixes it (no device query)
         parts = (scratch[0].shape[1] if isinstance(scratch, tuple) and scratch
-                 else parts_per_row(rows, sz.V, sz.k))
+                 else parts_per_row(rows, sz.V, sz.k, variant))
     parts = require_int("parts", parts, low=1, high=max_parts(sz.V, sz.k))
     if parts > 1:
         if scratch is None:
@@ -618,9 +626,6 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, var
                                            (np.float32, ("rows", "parts")),
                                            (np.uint32, ("rows",)))):
             require_array(f"scratch[{i}]", scratch[i], (dtype,), dims, sizes)
-    if variant is not None:                 # else chosen below, from the logits' bits
-        variant = resolve_variant(variant, readable="two_pass", fast="filtered",
-                                  anywhere=("resident",))
     is_bf16 = storage_kind(logits) == "bfloat16"
     if SIMULATOR and is_bf16:               # the simulator has no bf16: widen exactly on host
         logits = np.asarray(logits).astype(np.float32)

@@ -83,6 +83,7 @@ from .draft_topk import (
     _select_top,
     _write_top,
     merge_parts,
+    select_shared,
 )
 
 RESIDENT_THREADS = 64 if SIMULATOR else 512     # whole warps, <= MAX_THREADS
@@ -135,10 +136,12 @@ def _make_resident_kernels(bf16: bool):
                 top_t = max(top_t, key)
 
         # 1. the block's max key M, and the floor F = the smallest of the threads' maxima
-        #    (as ~max(~max_t): a thread that holds nothing gives 0, the max's neutral)
+        #    (as ~max(~max_t): a thread that holds nothing gives 0, the max's neutral; one
+        #    that holds only key 0, a NaN of bits 0xFFFFFFFF in an unchecked row, gives
+        #    0xFFFFFFFF: no floor, and the search below finds too few keys and falls back)
+        holds = wlo + tid < whi                 # this thread holds a word of the slice
         key_max = block_max_u32(red_u, top_t, tid, T)
-        floor = uint32(~block_max_u32(red_u, uint32(~top_t) if top_t > 0 else uint32(0), tid,
-                                      T))
+        floor = uint32(~block_max_u32(red_u, uint32(~top_t) if holds else uint32(0), tid, T))
         n_words = whi - wlo
         kk = min(k, n_words * per_word)
         if min(T, n_words) < kk:                # fewer threads hold logits than kk: no floor
@@ -158,7 +161,7 @@ def _make_resident_kernels(bf16: bool):
         #    bin of the kk-th key fit CAND_CAP
         top = key_max
         low = floor
-        span = top - low
+        span = uint32(top - low) if top >= low else uint32(0)   # (top < low: all keys 0)
         shift = uint32(0)
         while (span >> shift) >= uint32(ROUND_BINS):   # smallest shift fitting 256 bins
             shift = uint32(shift + 8)
@@ -169,11 +172,8 @@ def _make_resident_kernels(bf16: bool):
             for d in range(tid, ROUND_BINS, T):
                 hist[d] = 0
             cuda.syncthreads()                  # bins cleared before the atomics, and every
-            if tid == 0:                        # thread read the last round's result: what
-                result[0] = 0                   # the search leaves if no bin holds the
-                result[1] = 0                   # need-th key (fewer keys in range than need:
-                result[2] = 0                   # only NaNs of bits 0xFFFFFFFF, key 0 as if
-                                                # absent, in an unchecked row) is bin 0
+            if tid == 0:                        # thread read the last round's result: -1
+                result[0] = -1                  # stays if no bin holds the need-th key
             for i in range(LOGITS_PER_THREAD):
                 key = keys[i]
                 if key >= low and key <= top:   # bin 255 holds top, bin 0 the lowest keys
@@ -181,12 +181,14 @@ def _make_resident_kernels(bf16: bool):
                     cuda.atomic.add(hist, int32(ROUND_BINS - 1 - bin_down), 1)
             cuda.syncthreads()                  # histogram complete
             _find_threshold_digit(hist, ROUND_BINS, need, scratch, result, tid, T)
+            if result[0] < 0:                   # fewer keys in range than need (only key-0
+                break                           # NaNs of an unchecked row): the fallback
             b = uint32(result[0])               # the bin of the need-th key from the top
             above += result[1]                  # keys in the bins above b
             need -= result[1]
             in_bin = result[2]
-            # bin b's keys: [bin_top - width + 1, bin_top], cut at low (signed: the default
-            # bin 0 of the search above may lie below 0)
+            # bin b's keys: [bin_top - width + 1, bin_top], cut at low (signed: bin 0's lower
+            # edge may lie below key 0)
             bin_top = int64(top) - int64((uint32(ROUND_BINS - 1) - b) << shift)
             bin_width = int64(1) << shift
             bin_low = uint32(max(int64(low), bin_top - (bin_width - 1)))
@@ -214,28 +216,10 @@ def _make_resident_kernels(bf16: bool):
             if key >= edge:                     # key i: logit i % per_word of word i // per_word
                 logit_id = uint32((wlo + (i // per_word) * T + tid) * per_word + i % per_word)
                 slot = cuda.atomic.add(n_cand, 0, 1)
-                if slot < CAND_CAP:             # always, but for an unchecked row of NaNs
-                    cand[slot] = (uint64(key) << uint64(32)) | uint64(0xFFFFFFFF - logit_id)
+                cand[slot] = (uint64(key) << uint64(32)) | uint64(0xFFFFFFFF - logit_id)
         cuda.syncthreads()                      # every candidate written
-        n = min(n_cand[0], CAND_CAP)
-        for i in range(n + tid, kk, T):         # fewer than kk (the same NaNs): "none" keys
-            cand[i] = uint64(0)
-        sort_desc_any(cand, n, tid, T)          # (its barrier orders the stores above)
+        sort_desc_any(cand, n_cand[0], tid, T)
         return m, total, kk
-
-    @cuda.jit(device=True, inline=True)
-    def shared_state():
-        """The kernel's shared arrays, one a line (the simulator tells them apart by line):
-        ``(cand, hist, scratch, result, red_u, red_f, n_cand)``, sized for the two-pass
-        fallback (about 45 KiB on a GPU)."""
-        cand = cuda.shared.array(SORT_CAP, uint64)
-        hist = cuda.shared.array(BINS, int32)
-        scratch = cuda.shared.array(MAX_THREADS, int32)
-        result = cuda.shared.array(3, int32)
-        red_u = cuda.shared.array(MAX_THREADS, uint32)
-        red_f = cuda.shared.array(MAX_THREADS, float32)
-        n_cand = cuda.shared.array(1, int32)
-        return cand, hist, scratch, result, red_u, red_f, n_cand
 
     @kernel_for_block(RESIDENT_THREADS)
     def whole_row_kernel(words, bits, k, top_log_probs, top_token_ids):
@@ -243,7 +227,8 @@ def _make_resident_kernels(bf16: bool):
         ``SLICE_CAP`` logits) -> its K outputs."""
         row_id = cuda.blockIdx.x
         tid = cuda.threadIdx.x
-        cand, hist, scratch, result, red_u, red_f, n_cand = shared_state()
+        cand = cuda.shared.array(SORT_CAP, uint64)  # candidates; the fallback's; the merge's
+        hist, scratch, result, red_u, red_f, n_cand = select_shared()
         m, total, _ = resident_select(words[row_id], bits[row_id], 0, words.shape[1], k, tid,
                                       cand, hist, scratch, result, red_u, red_f, n_cand)
         lse = m + math.log(total) if m > NEG_INF else NEG_INF
@@ -265,7 +250,8 @@ def _make_resident_kernels(bf16: bool):
         n_words = words.shape[1]
         lo = min(p * chunk, n_words)
         hi = min(lo + chunk, n_words)
-        cand, hist, scratch, result, red_u, red_f, n_cand = shared_state()
+        cand = cuda.shared.array(SORT_CAP, uint64)  # candidates; the fallback's; the merge's
+        hist, scratch, result, red_u, red_f, n_cand = select_shared()
         if lo == hi:                            # an empty slice: no candidates
             for r in range(tid, k, RESIDENT_THREADS):
                 part_keys[row_id, p, r] = uint64(0)
