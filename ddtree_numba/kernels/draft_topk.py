@@ -31,7 +31,7 @@ Phases of a block (``T`` threads, ``v`` strided by ``T``: coalesced)::
 (:func:`parts_per_row`) block ``(row, p)`` runs the same phases 1-4 on the slice ``row[p *
 chunk:(p + 1) * chunk]`` and writes its best ``k`` packed candidates, its max ``m_p`` and its
 ``s_p = sum exp(x - m_p)``; a second launch, one block per row, merges the parts' sorted
-lists pairwise, keeping the best ``k`` of each pair (:func:`_merge_kernel`), and writes the
+lists pairwise, keeping the best ``k`` of each pair (``merge_parts``), and writes the
 first ``k``, with ``lse = M + log(sum_p s_p exp(m_p - M))``, ``M = max_p m_p``. Exact: each of
 the row's best ``k`` is among the best ``k`` of its own slice, and the packed order (key, then
 id) is the same total order in both launches. (The merge used to sort all ``parts * k``
@@ -406,7 +406,7 @@ def merge_parts(part_keys, part_max, part_sum, row_id, k, lists, stats, tid, T, 
 
 @cuda.jit
 def _merge_kernel(part_keys, part_max, part_sum, k, top_log_probs, top_token_ids):
-    """Grid ``(rows,)``, block ``(T,)``: :func:`merge_parts` for each row (the second launch of
+    """Grid ``(rows,)``, block ``(T,)``: ``merge_parts`` for each row (the second launch of
     a split row in the two-pass and one-pass variants)."""
     lists = cuda.shared.array(MERGE_SLOTS, uint64)
     stats = cuda.shared.array(1, float32)
@@ -415,7 +415,7 @@ def _merge_kernel(part_keys, part_max, part_sum, k, top_log_probs, top_token_ids
 
 
 def merge_slots(parts: int, k: int) -> int:
-    """Shared-memory keys :func:`_merge_kernel` holds for ``parts`` lists of ``k``: both
+    """Shared-memory keys ``merge_parts`` holds for ``parts`` lists of ``k``: both
     rounded up to powers of two."""
     return (1 << max(0, parts - 1).bit_length()) * (1 << max(0, k - 1).bit_length())
 
