@@ -21,17 +21,17 @@ Phases of a block, all on the registers (``kk = min(k, logits in the slice)``)::
 
     1. max key of each thread; the block's max M (-> the max logit m) and F, the smallest of
        the threads' maxima: at least one logit a thread is >= F, so when T >= kk at least
-       kk logits are >= F and nothing below F can be among the best kk (a *floor*)
+       kk logits are >= F and nothing below F can be among the best kk (a floor)
     2. s = sum of exp(x - m) over the slice (a block sum)
     3. the bin of the kk-th largest key: a 256-bin histogram of the keys in [F, M], bin
-       255 - ((M - key) >> shift), ``shift`` the smallest that fits [F, M] into 256 bins
+       255 - ((M - key) >> shift), shift the smallest that fits [F, M] into 256 bins
        (shared atomics, only for keys >= F: for a smooth row about 15 % of them); a block
        scan from the top bin finds the bin b holding the kk-th key. If the keys at or
        above b are more than CAND_CAP (a crowded bin), the same histogram runs again on
        bin b's range with 8 bits fewer of shift: at most 4 rounds (32 bits)
     4. the keys >= b's lower edge (at most CAND_CAP, at least kk) gathered with a shared
        counter as packed (key << 32 | ~id) and sorted descending (one a thread, in
-       registers and shuffles: ``_primitives.sort_desc_any``); the first kk are the best
+       registers and shuffles: _primitives.sort_desc_any); the first kk are the best
 
 Why it is exact: the floor and each bin edge only ever drop keys that kk others outrank
 (``_find_threshold_digit`` counts from the top), and the final order is the packed key's,
