@@ -223,18 +223,28 @@ block_max = make_block_reduce(_max)     # block_max(red, value, tid, T): max ove
 
 
 @cuda.jit(device=True, inline=True)
+def warp_max_key(key):
+    """The largest uint32 ``key`` of the warp, to every lane: five ``shfl.xor`` steps (lane
+    ``l`` takes the max with lane ``l ^ 16``, then ``l ^ 8``, ...). Not ``redux.sync``
+    (``_primitives.warp_max_u32``): numba passes inline assembly to LLVM without the
+    *convergent* mark its shuffle intrinsics carry."""
+    best = int64(key)                       # (numba shuffles 32- and 64-bit signed values)
+    offset = 16
+    while offset > 0:
+        best = max(best, cuda.shfl_xor_sync(FULL_MASK, best, offset))
+        offset //= 2
+    return uint32(best)
+
+
+@cuda.jit(device=True, inline=True)
 def _block_max_u32_by_warps(red, value, tid, T):
     """Max of one uint32 a thread over a block of whole warps: a shuffle tree in each warp
     (lane ``l`` takes the max with lane ``l ^ 16``, ``l ^ 8``, ...; every lane ends with the
     warp's max), lane 0 writes it to ``red[warp]``, and after a barrier every thread folds the
     ``T / 32`` warp maxima. Two barriers where the tree takes ``log2 T + 2``."""
-    best = int64(value)                     # (numba shuffles 32- and 64-bit signed values)
-    offset = 16
-    while offset > 0:
-        best = max(best, cuda.shfl_xor_sync(FULL_MASK, best, offset))
-        offset //= 2
+    best = warp_max_key(value)
     if tid & 31 == 0:
-        red[tid >> 5] = uint32(best)
+        red[tid >> 5] = best
     cuda.syncthreads()                      # every warp's max in place
     total = red[0]
     for w in range(1, T >> 5):

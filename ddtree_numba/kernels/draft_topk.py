@@ -493,9 +493,8 @@ def resident_applies(logits_bits, k: int, parts: int) -> bool:
     from .draft_topk_resident import RESIDENT_MAX_K, SLICE_CAP
 
     per_word = 8 // logits_bits.dtype.itemsize
-    V = logits_bits.shape[1]
-    chunk_words = -(-(V // per_word) // parts)
-    return (k <= RESIDENT_MAX_K and V % per_word == 0 and data_address(logits_bits) % 8 == 0
+    chunk_words = -(-(logits_bits.shape[1] // per_word) // parts)
+    return (k <= RESIDENT_MAX_K and _whole_words(logits_bits)
             and chunk_words * per_word <= SLICE_CAP)
 
 
@@ -521,9 +520,14 @@ def filtered_applies(logits_bits, k: int) -> bool:
     first 8-byte aligned."""
     from .draft_topk_filtered import FILTER_MAX_K
 
+    return k <= FILTER_MAX_K and _whole_words(logits_bits)
+
+
+def _whole_words(logits_bits) -> bool:
+    """Rows of whole 8-byte words, the first 8-byte aligned: what the kernels that load the
+    logits as ``uint64`` words (``"filtered"``, ``"resident"``) need."""
     per_word = 8 // logits_bits.dtype.itemsize
-    return (k <= FILTER_MAX_K and logits_bits.shape[1] % per_word == 0
-            and data_address(logits_bits) % 8 == 0)
+    return logits_bits.shape[1] % per_word == 0 and data_address(logits_bits) % 8 == 0
 
 
 #: The one-pass kernel is the default where a row has at least this many logits per kept one.

@@ -98,6 +98,7 @@ from ._primitives import (
     orderable_key,
     sort_desc_any,
     warp_inclusive_scan,
+    warp_max_key,
 )
 from .draft_topk import (
     BINS,
@@ -136,20 +137,6 @@ def _cut_of(key):
 
 
 @cuda.jit(device=True, inline=True)
-def _warp_max_key(key):
-    """The largest uint32 ``key`` of the warp, to every lane: five ``shfl.xor`` steps (lane
-    ``l`` takes the max with lane ``l ^ 16``, then ``l ^ 8``, ...). Not ``redux.sync``
-    (``_primitives.warp_max_u32``): numba passes inline assembly to LLVM without the
-    *convergent* mark its shuffle intrinsics carry."""
-    best = int64(key)                       # (numba shuffles 32- and 64-bit signed values)
-    offset = 16
-    while offset > 0:
-        best = max(best, cuda.shfl_xor_sync(FULL_MASK, best, offset))
-        offset //= 2
-    return uint32(best)
-
-
-@cuda.jit(device=True, inline=True)
 def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
     """Warp-collective (all 32 lanes, uniform arguments): raise the floor of the held set
     ``buf[base : base + n]`` (every key ``>= floor``; ``n > need``) to the lower edge of the
@@ -159,7 +146,7 @@ def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
     top = uint32(0)
     for j in range(lane, n, 32):
         top = max(top, _key_of(buf[base + j]))
-    top = _warp_max_key(top)
+    top = warp_max_key(top)
     lo = floor                              # the bins cover [lo, hi] ...
     hi = top
     # ... in 256 bins of 2**shift keys. (uint32() throughout: numba widens uint32 - uint32
