@@ -281,6 +281,19 @@ def select_shared():
 _select_top = functools.cache(_make_select_top)
 
 
+@cuda.jit(device=True, inline=True)
+def store_part(cand, kk, m, total, row_id, p, k, tid, T, part_keys, part_max, part_sum):
+    """A part kernel's result, slot ``(row_id, p)`` of the scratch: its best ``kk <= k``
+    packed candidates ``cand[0:kk]`` (then ``0``, below every real key, up to ``k``), its max
+    logit ``m`` and its sum ``total`` of ``exp(x - m)``. An empty slice stores ``kk = 0``,
+    ``m = -inf``, ``total = 0``: it adds nothing to the merge."""
+    for r in range(tid, k, T):
+        part_keys[row_id, p, r] = cand[r] if r < kk else uint64(0)
+    if tid == 0:
+        part_max[row_id, p] = m
+        part_sum[row_id, p] = total
+
+
 def _make_topk_kernels(bf16: bool):
     """``(whole_row_kernel, part_kernel)`` for float32 (``bf16=False``) or bfloat16 bits."""
     _, select_top = _select_top(bf16)
@@ -309,22 +322,16 @@ def _make_topk_kernels(bf16: bool):
         V = logit_bits.shape[1]
         lo = min(p * chunk, V)
         hi = min(lo + chunk, V)
-        if lo == hi:                        # an empty slice (the whole block returns here)
-            for r in range(tid, k, cuda.blockDim.x):
-                part_keys[row_id, p, r] = uint64(0)
-            if tid == 0:
-                part_max[row_id, p] = NEG_INF
-                part_sum[row_id, p] = float32(0.0)
-            return
+        T = cuda.blockDim.x
         cand = cuda.shared.array(SORT_CAP, uint64)
+        if lo == hi:                        # an empty slice (the whole block returns here)
+            store_part(cand, 0, NEG_INF, float32(0.0), row_id, p, k, tid, T, part_keys,
+                       part_max, part_sum)
+            return
         hist, scratch, result, red_u, red_f, n_cand = select_shared()
-        m, total, kk = select_top(logit_bits[row_id], lo, hi, k, tid, cuda.blockDim.x, cand,
-                                  hist, scratch, result, red_u, red_f, n_cand)
-        for r in range(tid, k, cuda.blockDim.x):
-            part_keys[row_id, p, r] = cand[r] if r < kk else uint64(0)
-        if tid == 0:
-            part_max[row_id, p] = m
-            part_sum[row_id, p] = total
+        m, total, kk = select_top(logit_bits[row_id], lo, hi, k, tid, T, cand, hist, scratch,
+                                  result, red_u, red_f, n_cand)
+        store_part(cand, kk, m, total, row_id, p, k, tid, T, part_keys, part_max, part_sum)
 
     return whole_row_kernel, part_kernel
 

@@ -109,6 +109,7 @@ from .draft_topk import (
     _find_threshold_digit,
     _select_top,
     _write_top,
+    store_part,
 )
 
 FILTER_THREADS = 64 if SIMULATOR else 256   # whole warps
@@ -469,22 +470,16 @@ def _make_filtered_kernels(bf16: bool):
         n_words = words.shape[1]
         lo = min(p * chunk, n_words)
         hi = min(lo + chunk, n_words)
-        if lo == hi:                        # an empty slice (the whole block returns here)
-            for r in range(tid, k, FILTER_THREADS):
-                part_keys[row_id, p, r] = uint64(0)
-            if tid == 0:
-                part_max[row_id, p] = NEG_INF
-                part_sum[row_id, p] = float32(0.0)
-            return
         buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, floor_b = shared_state()
+        if lo == hi:                        # an empty slice (the whole block returns here)
+            store_part(top, 0, NEG_INF, float32(0.0), row_id, p, k, tid, FILTER_THREADS,
+                       part_keys, part_max, part_sum)
+            return
         m, total, kk = filter_select(words[row_id], bits[row_id], lo, hi, k, tid, buf, top,
                                      hist, scratch, result, red_u, red_f, n_cand, counts,
                                      floor_b)
-        for r in range(tid, k, FILTER_THREADS):
-            part_keys[row_id, p, r] = top[r] if r < kk else uint64(0)
-        if tid == 0:
-            part_max[row_id, p] = m
-            part_sum[row_id, p] = total
+        store_part(top, kk, m, total, row_id, p, k, tid, FILTER_THREADS, part_keys, part_max,
+                   part_sum)
 
     return whole_row_kernel, part_kernel
 

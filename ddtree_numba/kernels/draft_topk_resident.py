@@ -84,6 +84,7 @@ from .draft_topk import (
     _write_top,
     merge_parts,
     select_shared,
+    store_part,
 )
 
 RESIDENT_THREADS = 64 if SIMULATOR else 512     # whole warps, <= MAX_THREADS
@@ -253,19 +254,13 @@ def _make_resident_kernels(bf16: bool):
         cand = cuda.shared.array(SORT_CAP, uint64)  # candidates; the fallback's; the merge's
         hist, scratch, result, red_u, red_f, n_cand = select_shared()
         if lo == hi:                            # an empty slice: no candidates
-            for r in range(tid, k, RESIDENT_THREADS):
-                part_keys[row_id, p, r] = uint64(0)
-            if tid == 0:
-                part_max[row_id, p] = NEG_INF
-                part_sum[row_id, p] = float32(0.0)
+            store_part(cand, 0, NEG_INF, float32(0.0), row_id, p, k, tid, RESIDENT_THREADS,
+                       part_keys, part_max, part_sum)
         else:
             m, total, kk = resident_select(words[row_id], bits[row_id], lo, hi, k, tid, cand,
                                            hist, scratch, result, red_u, red_f, n_cand)
-            for r in range(tid, k, RESIDENT_THREADS):
-                part_keys[row_id, p, r] = cand[r] if r < kk else uint64(0)
-            if tid == 0:
-                part_max[row_id, p] = m
-                part_sum[row_id, p] = total
+            store_part(cand, kk, m, total, row_id, p, k, tid, RESIDENT_THREADS, part_keys,
+                       part_max, part_sum)
         # Count this part done (as verify_attn's fused merge does). Each thread's fence orders
         # its stores before the barrier, the barrier before thread 0's count of arrivals;
         # atomic.inc wraps to 0 after the last part, so every count is 0 again for the next
