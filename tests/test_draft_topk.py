@@ -278,11 +278,17 @@ def resident_case(case, rng):
         x[0, 0] = 0.0                                   # than CAND_CAP at 32 bits, the
         x[0, 1, ::3] = 0.0                              # two-pass select on the slice
     if case == "refine":
-        # one logit far above a cluster: the first round's bins are 2**24 keys wide and the
-        # cluster (keys within 2**17 of each other) sits in one of them, more than CAND_CAP:
-        # the bin is histogrammed again with 2**16-wide bins, then 2**8
-        x = (1.0 + rng.random((1, 2, V)) * 1e-2).astype(np.float32)
+        # lanes 0-11 of every warp hold a cluster (keys within 2**17 of each other), the
+        # other lanes smaller logits: with fewer cluster lanes a warp than j = k / warps, the
+        # floor is a small lane's max and the whole cluster passes it, more than CAND_CAP.
+        # One logit far above the cluster: the first round's bins are 2**24 keys wide and the
+        # cluster sits in one of them; it is histogrammed again with 2**16-wide bins, then 2**8
+        x = (0.5 * rng.random((1, 2, V))).astype(np.float32)
+        cluster = (np.arange(V) // 2) % 32 < 12         # lane of logit i: (word i // 2) % 32
+        x[:, :, cluster] = 1.0 + rng.random((1, 2, int(cluster.sum()))) * 1e-2
         x[0, :, 7] = 1e30
+    if case == "direct":                                # lanes' maxima close together: the
+        x = rng.random((1, 2, V)).astype(np.float32)    # keys >= the floor fit CAND_CAP
     if case == "neg_inf":
         x[0, 0] = -np.inf                               # all -inf: ties, the fallback
         x[0, 1, 20:] = -np.inf                          # fewer finite than k
@@ -298,7 +304,7 @@ def resident_case(case, rng):
     return x, k, parts
 
 
-@pytest.mark.parametrize("case", ["random", "split", "empty_slice", "no_floor",
+@pytest.mark.parametrize("case", ["random", "direct", "split", "empty_slice", "no_floor",
                                   "ties_fall_back", "refine", "neg_inf", "signed_zeros", "k1",
                                   "sorted", "wide_span"])
 def test_resident_kernel_matches_reference(case):
@@ -324,6 +330,7 @@ def test_resident_kernel_with_its_gpu_reductions_on_emulated_shuffles(monkeypatc
     monkeypatch.setattr(resident, "block_max_u32", primitives._block_max_u32_by_warps)
     monkeypatch.setattr(resident, "block_sum_f32", primitives._block_sum_f32_by_warps)
     monkeypatch.setattr(topk, "block_inclusive_scan", primitives._warp_shuffle_scan)
+    monkeypatch.setattr(resident, "block_inclusive_scan", primitives._warp_shuffle_scan)
     monkeypatch.setattr(primitives, "bitonic_sort_desc", primitives._bitonic_sort_gpu)
     x, k, parts = resident_case(case, np.random.default_rng(zlib.crc32(case.encode())))
     with emulated_shuffles():

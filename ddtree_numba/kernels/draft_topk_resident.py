@@ -65,6 +65,7 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 
 from ._device import SIMULATOR, kernel_for_block
 from ._primitives import (
+    block_inclusive_scan,
     block_max_u32,
     block_scan_scratch,
     block_sum_f32,
@@ -101,6 +102,87 @@ assert MERGE_SLOTS <= SORT_CAP                  # the last block merges in ``can
 assert SCAN_SCRATCH <= MAX_THREADS              # the two-pass fallback's scratch is as long
 
 
+@cuda.jit(device=True, inline=True)
+def _warp_floor(top_t, kk, tid, lane_max):
+    """The floor of phase 1, from each thread's largest key ``top_t`` (0: it holds none):
+    the smallest over the warps of the warp's ``j``-th largest ``top_t``, ``j = ceil(kk /
+    warps)``; 0 where a warp has fewer than ``j`` threads holding keys (then every key
+    passes the floor). Every thread returns the same value. ``lane_max`` (``uint64``, at
+    least ``T + T / 32`` entries, free until the gather) holds the maxima, then the warps'
+    floors. Two barriers; the caller's next barrier must come before ``lane_max`` is
+    written again."""
+    T = RESIDENT_THREADS
+    lane = tid & 31
+    warp = tid >> 5
+    warps = T >> 5
+    j = (kk + warps - 1) // warps               # <= 32: kk <= RESIDENT_MAX_K
+    lane_max[tid] = uint64(top_t)
+    cuda.syncthreads()                          # every thread's max in place
+    # this thread's rank among its warp's 32 maxima (ties: the lower lane first), by reading
+    # all 32: every lane reads the same entry at once (a broadcast, no bank conflict)
+    rank = int32(0)
+    for other in range(32):
+        v = uint32(lane_max[warp * 32 + other])
+        if v > top_t or (v == top_t and other < lane):
+            rank = int32(rank + 1)
+    if rank == j - 1:                           # ranks are distinct: one lane a warp
+        lane_max[T + warp] = uint64(top_t)
+    cuda.syncthreads()                          # every warp's j-th largest in place
+    floor = uint32(0xFFFFFFFF)
+    for w in range(warps):
+        floor = min(floor, uint32(lane_max[T + w]))
+    return floor
+
+
+@cuda.jit(device=True, inline=True)
+def _histogram_edge(keys, key_max, floor, kk, tid, hist, scratch, result):
+    """An edge that at least ``kk`` and at most ``CAND_CAP`` of the block's keys reach, by
+    rounds of a 256-bin histogram over ``[low, top]`` (at first ``[floor, key_max]``, then
+    the bin of the ``kk``-th key with 8 bits less of shift), or 0 when ties at one key
+    crowd the candidates (or fewer than ``kk`` keys reach the floor). Every thread returns
+    the same value."""
+    T = RESIDENT_THREADS
+    top = key_max
+    low = floor
+    span = uint32(top - low) if top >= low else uint32(0)   # (top < low: all keys 0)
+    shift = uint32(0)
+    while (span >> shift) >= uint32(ROUND_BINS):   # smallest shift fitting 256 bins
+        shift = uint32(shift + 8)
+    need = kk                                   # rank of the kk-th key among keys <= top
+    above = 0                                   # keys > top (bins of earlier rounds)
+    while True:
+        for d in range(tid, ROUND_BINS, T):
+            hist[d] = 0
+        cuda.syncthreads()                      # bins cleared before the atomics, and every
+        if tid == 0:                            # thread read the last round's result: -1
+            result[0] = -1                      # stays if no bin holds the need-th key
+        for i in range(LOGITS_PER_THREAD):
+            key = keys[i]
+            if key >= low and key <= top:       # bin 255 holds top, bin 0 the lowest keys
+                bin_down = int32(shr_u32(uint32(top - key), shift))   # 32-bit ops only
+                cuda.atomic.add(hist, int32(ROUND_BINS - 1 - bin_down), 1)
+        cuda.syncthreads()                      # histogram complete
+        _find_threshold_digit(hist, ROUND_BINS, need, scratch, result, tid, T)
+        if result[0] < 0:                       # fewer keys in range than need
+            return uint32(0)
+        b = uint32(result[0])                   # the bin of the need-th key from the top
+        above += result[1]                      # keys in the bins above b
+        need -= result[1]
+        in_bin = result[2]
+        # bin b's keys: [bin_top - width + 1, bin_top], cut at low (signed: bin 0's lower
+        # edge may lie below key 0)
+        bin_top = int64(top) - int64((uint32(ROUND_BINS - 1) - b) << shift)
+        bin_width = int64(1) << shift
+        bin_low = uint32(max(int64(low), bin_top - (bin_width - 1)))
+        if above + in_bin <= CAND_CAP:
+            return bin_low
+        if shift == 0:                          # ties at one key crowd the candidates
+            return uint32(0)
+        top = uint32(bin_top)                   # (>= low here: it holds the need-th key)
+        low = bin_low
+        shift = uint32(shift - 8)               # bin_top - bin_low < 2 ** (shift + 8)
+
+
 def _make_resident_kernels(bf16: bool):
     """``(whole_row_kernel, part_kernel)`` for float32 (``bf16=False``) or bfloat16 words."""
     per_word = 4 if bf16 else 2                 # logits an 8-byte word holds
@@ -115,6 +197,29 @@ def _make_resident_kernels(bf16: bool):
         low half or quarter; a bfloat16 is the top half of a float32)."""
         value = uint32((word >> uint64(value_bits * j)) & value_mask)
         return value << uint32(16) if bf16 else value
+
+    @cuda.jit(device=True, inline=True)
+    def _gather(keys, edge, wlo, tid, cand, scratch):
+        """How many of the block's keys are ``>= edge`` (every thread gets the count); when
+        they fit ``CAND_CAP``, also writes them to ``cand`` packed as ``key << 32 | ~id``,
+        each thread's at its place in a block scan of the counts (no atomics, so no
+        contended counter). Ends with a barrier."""
+        count = int32(0)
+        for i in range(LOGITS_PER_THREAD):
+            if keys[i] >= edge:
+                count = int32(count + 1)
+        inclusive, found = block_inclusive_scan(scratch, count, tid, RESIDENT_THREADS)
+        if found <= CAND_CAP:                   # (the same for every thread)
+            slot = int32(inclusive - count)     # this thread's first slot
+            for i in range(LOGITS_PER_THREAD):
+                key = keys[i]
+                if key >= edge:                 # key i: logit i % per_word of word i // per_word
+                    logit_id = uint32((wlo + (i // per_word) * RESIDENT_THREADS + tid)
+                                      * per_word + i % per_word)
+                    cand[slot] = (uint64(key) << uint64(32)) | uint64(0xFFFFFFFF - logit_id)
+                    slot = int32(slot + 1)
+        cuda.syncthreads()                      # every candidate written
+        return int32(found)
 
     @cuda.jit(device=True, inline=True)
     def resident_select(words, bits, wlo, whi, k, tid, cand, hist, scratch, result, red_u,
@@ -136,21 +241,18 @@ def _make_resident_kernels(bf16: bool):
                 keys[u * per_word + j] = key
                 top_t = max(top_t, key)
 
-        # 1. the block's max key M, and the floor F = the smallest of the threads' maxima
-        #    (as ~max(~max_t): a thread that holds nothing gives 0, the max's neutral; one
-        #    that holds only key 0, a NaN of bits 0xFFFFFFFF in an unchecked row, gives
-        #    0xFFFFFFFF: no floor, and the search below finds too few keys and falls back)
-        holds = wlo + tid < whi                 # this thread holds a word of the slice
+        # 1. the block's max key M (-> the max logit m), and the floor F: warp w's j-th
+        #    largest thread maximum f_w (j = ceil(kk / warps)) has j threads of warp w at or
+        #    above it, so F = min_w f_w has j logits of every warp, kk in all, at or above
+        #    it: nothing below F can be among the best kk
+        kk = min(k, (whi - wlo) * per_word)
         key_max = block_max_u32(red_u, top_t, tid, T)
-        floor = uint32(~block_max_u32(red_u, uint32(~top_t) if holds else uint32(0), tid, T))
-        n_words = whi - wlo
-        kk = min(k, n_words * per_word)
-        if min(T, n_words) < kk:                # fewer threads hold logits than kk: no floor
-            floor = uint32(1)
+        floor = _warp_floor(top_t, kk, tid, cand)
         floor = max(floor, uint32(1))           # never the "none" key 0 (past the slice)
 
         # 2. sum of exp(x - m) (a -inf logit adds nothing; m = -inf when all are), each term
-        #    as exp2((x - m) log2 e): one multiply and the hardware's ex2 (precision above)
+        #    as exp2((x - m) log2 e): one multiply and the hardware's ex2 (precision above);
+        #    its barriers also separate the floor's reads of cand from the gather's writes
         m = float_of_key(key_max)
         s = float32(0.0)
         for i in range(LOGITS_PER_THREAD):
@@ -158,68 +260,28 @@ def _make_resident_kernels(bf16: bool):
                 s += math.exp2((float_of_key(keys[i]) - m) * LOG2E)
         total = block_sum_f32(red_f, s, tid, T)
 
-        # 3. rounds of a 256-bin histogram over [low, top] until the keys at or above the
-        #    bin of the kk-th key fit CAND_CAP
-        top = key_max
-        low = floor
-        span = uint32(top - low) if top >= low else uint32(0)   # (top < low: all keys 0)
-        shift = uint32(0)
-        while (span >> shift) >= uint32(ROUND_BINS):   # smallest shift fitting 256 bins
-            shift = uint32(shift + 8)
-        need = kk                               # rank of the kk-th key among keys <= top
-        above = 0                               # keys > top (bins of earlier rounds)
-        edge = uint32(0)                        # the gather's cut when it succeeds
+        # 3. the candidates: the keys >= F, most often few enough to gather at once; else
+        #    a histogram finds a higher edge that lets at most CAND_CAP through (two passes
+        #    of the loop at most: the second edge's keys always fit)
+        edge = floor
         while True:
-            for d in range(tid, ROUND_BINS, T):
-                hist[d] = 0
-            cuda.syncthreads()                  # bins cleared before the atomics, and every
-            if tid == 0:                        # thread read the last round's result: -1
-                result[0] = -1                  # stays if no bin holds the need-th key
-            for i in range(LOGITS_PER_THREAD):
-                key = keys[i]
-                if key >= low and key <= top:   # bin 255 holds top, bin 0 the lowest keys
-                    bin_down = int32(shr_u32(uint32(top - key), shift))   # 32-bit ops only
-                    cuda.atomic.add(hist, int32(ROUND_BINS - 1 - bin_down), 1)
-            cuda.syncthreads()                  # histogram complete
-            _find_threshold_digit(hist, ROUND_BINS, need, scratch, result, tid, T)
-            if result[0] < 0:                   # fewer keys in range than need (only key-0
-                break                           # NaNs of an unchecked row): the fallback
-            b = uint32(result[0])               # the bin of the need-th key from the top
-            above += result[1]                  # keys in the bins above b
-            need -= result[1]
-            in_bin = result[2]
-            # bin b's keys: [bin_top - width + 1, bin_top], cut at low (signed: bin 0's lower
-            # edge may lie below key 0)
-            bin_top = int64(top) - int64((uint32(ROUND_BINS - 1) - b) << shift)
-            bin_width = int64(1) << shift
-            bin_low = uint32(max(int64(low), bin_top - (bin_width - 1)))
-            if above + in_bin <= CAND_CAP:
-                edge = bin_low
+            found = _gather(keys, edge, wlo, tid, cand, scratch)
+            if found < kk:                      # only key-0 NaNs of an unchecked row
+                edge = uint32(0)
                 break
-            if shift == 0:                      # ties at one key crowd the candidates
+            if found <= CAND_CAP:               # gathered
                 break
-            top = uint32(bin_top)               # (>= low here: it holds the need-th key)
-            low = bin_low
-            shift = uint32(shift - 8)           # bin_top - bin_low < 2 ** (shift + 8)
+            edge = _histogram_edge(keys, key_max, floor, kk, tid, hist, scratch, result)
+            if edge == 0:                       # ties at one key crowd the candidates
+                break
 
         if edge == 0:                           # the two-pass select on the slice (reads it
             per = per_word                      # again from global memory; uniform branch)
             return select_top(bits, wlo * per, whi * per, k, tid, T, cand, hist, scratch,
                               result, red_u, red_f, n_cand)
 
-        # 4. gather the keys >= edge (above + in_bin of them) and sort them (the compiler
-        #    aggregates each key's atomic over the warp: one ATOMS for the lanes that pass)
-        if tid == 0:
-            n_cand[0] = 0
-        cuda.syncthreads()                      # counter reset before the atomics
-        for i in range(LOGITS_PER_THREAD):
-            key = keys[i]
-            if key >= edge:                     # key i: logit i % per_word of word i // per_word
-                logit_id = uint32((wlo + (i // per_word) * T + tid) * per_word + i % per_word)
-                slot = cuda.atomic.add(n_cand, 0, 1)
-                cand[slot] = (uint64(key) << uint64(32)) | uint64(0xFFFFFFFF - logit_id)
-        cuda.syncthreads()                      # every candidate written
-        sort_desc_any(cand, n_cand[0], tid, T)
+        # 4. sort the candidates, descending (one a thread, in registers and shuffles)
+        sort_desc_any(cand, found, tid, T)
         return m, total, kk
 
     @kernel_for_block(RESIDENT_THREADS)
