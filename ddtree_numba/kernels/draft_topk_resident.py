@@ -17,21 +17,27 @@ bfloat16 logits each; the block's slice is ``words[wlo:whi]``)::
     keys[u * per_word + j]   the orderable key of logit j of that word (0: past the slice),
                              logit id (wlo + u * T + t) * per_word + j
 
-Phases of a block, all on the registers (``kk = min(k, logits in the slice)``)::
+Phases of a block, all on the registers (``kk = min(k, logits in the slice)``, ``W = T / 32``
+warps)::
 
-    1. max key of each thread; the block's max M (-> the max logit m) and F, the smallest of
-       the threads' maxima: at least one logit a thread is >= F, so when T >= kk at least
-       kk logits are >= F and nothing below F can be among the best kk (a floor)
+    1. max key of each thread; the block's max M (-> the max logit m) and the floor F: the
+       smallest over the warps of the warp's j-th largest thread max, j = ceil(kk / W).
+       Warp w has j threads whose max is >= its f_w >= F, so at least j * W >= kk logits
+       are >= F and nothing below F can be among the best kk. (Each lane ranks its max
+       among its warp's 32 by reading them all from shared memory.) For a smooth row of
+       24 576 logits about 2 % pass F (the smallest of all 512 thread maxima, the first
+       floor, let about 15 % through)
     2. s = sum of exp(x - m) over the slice (a block sum)
-    3. the bin of the kk-th largest key: a 256-bin histogram of the keys in [F, M], bin
-       255 - ((M - key) >> shift), shift the smallest that fits [F, M] into 256 bins
-       (shared atomics, only for keys >= F: for a smooth row about 15 % of them); a block
-       scan from the top bin finds the bin b holding the kk-th key. If the keys at or
-       above b are more than CAND_CAP (a crowded bin), the same histogram runs again on
-       bin b's range with 8 bits fewer of shift: at most 4 rounds (32 bits)
-    4. the keys >= b's lower edge (at most CAND_CAP, at least kk) gathered with a shared
-       counter as packed (key << 32 | ~id) and sorted descending (one a thread, in
-       registers and shuffles: _primitives.sort_desc_any); the first kk are the best
+    3. the keys >= F counted, a block scan of the counts, and, when they are at most
+       CAND_CAP, written packed (key << 32 | ~id) to each thread's slots of the scan: no
+       atomics. Else the edge is raised first: a 256-bin histogram of the keys in [F, M],
+       bin 255 - ((M - key) >> shift), shift the smallest that fits [F, M] into 256 bins
+       (shared atomics); a block scan from the top bin finds the bin b holding the kk-th
+       key. If the keys at or above b are more than CAND_CAP (a crowded bin), the same
+       histogram runs again on bin b's range with 8 bits fewer of shift: at most 4 rounds
+       (32 bits). Then the keys >= b's lower edge are gathered as above
+    4. the candidates (at most CAND_CAP, at least kk) sorted descending, one a thread, in
+       registers and shuffles (_primitives.sort_desc_any); the first kk are the best
 
 Why it is exact: the floor and each bin edge only ever drop keys that kk others outrank
 (``_find_threshold_digit`` counts from the top), and the final order is the packed key's,
@@ -40,11 +46,13 @@ and the ties at the kk-th key still do not fit CAND_CAP (rows of many equal logi
 ``-inf`` padding), the block runs the two-pass select (``draft_topk._select_top``) on its
 slice instead: a second read, exact, with its ties taken in id order. Correctness never
 depends on the data; speed does, a little (the floor F is loose when a row's large logits
-sit in a few threads' registers).
+sit in a few threads' registers, and 0 when a warp has fewer than j threads holding logits:
+then every key passes it and the histogram decides).
 
-Barriers: two for each of the three block reductions (a warp shuffle tree, then one value a
-warp in shared memory), two a histogram round plus the scan's three, two around the gather,
-and the sort's (about 20 at 512 candidates).
+Barriers: two for each of the two block reductions (a warp shuffle tree, then one value a
+warp in shared memory), two for the floor, the gather's scan (three) and one after its writes,
+two a histogram round plus the scan's three where a round runs, and the sort's (about 20 at
+512 candidates).
 
 Precision: the sum is float32 over ``LOGITS_PER_THREAD`` terms a thread and a block reduction
 (``log2 T`` more additions), so a part's ``s`` carries at most about ``(LOGITS_PER_THREAD +
