@@ -148,6 +148,14 @@ def launch(kernel, griddim, blockdim, stream=None, shared_bytes=0):
     at the same moment by another thread may miss its warning), cheap: two attribute writes,
     ~0.1 us per launch, where ``warnings.catch_warnings`` costs ~1-2 us and resets every
     module's once-only warning registry.
+
+    Every kernel of the library is launched with the block size its module names as a
+    constant (``FINISH_THREADS``, ``THREADS``, ...), and its loops stride by that constant,
+    never by ``cuda.blockDim.x``: numba sets up ``range(tid, n, step)`` by computing its trip
+    count, a division by ``step``. By a constant that is a shift; by ``blockDim.x`` it is a
+    signed division at every loop entry, a call of about 70 instructions when an operand is
+    64-bit (a shape). The finish kernel of ``build_tree`` ran 32 such loops a block, about
+    5 us at budget 64 on the H200.
     """
     stream = launch_stream() if stream is None else stream
     saved = getattr(config, "CUDA_LOW_OCCUPANCY_WARNINGS", 0)

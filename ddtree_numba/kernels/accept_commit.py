@@ -67,7 +67,7 @@ def _accept_commit_kernel(token_ids, next_token, next_sibling, target_predict, k
     b = cuda.blockIdx.x
     part = cuda.blockIdx.y                          # this block's share of the moves
     tid = cuda.threadIdx.x
-    threads = cuda.blockDim.x
+    threads = ACCEPT_COMMIT_THREADS                 # a constant step (_device.launch)
     N = token_ids.shape[1]
     page_size = kv_words.shape[2]
     tok = cuda.shared.array(MAX_NODES, int32)

@@ -337,8 +337,8 @@ def write_node_table(b, tid, count, parent_s, depth_s, score, first_child, next_
 @cuda.jit
 def _finish_kernel(top_token_ids, root_token_ids, prefix_lens, has_prefix, parents, depths,
                    ranks, num_nodes, token_ids, positions, visibility_bits, visibility):
-    """Grid ``(ceil(N / FINISH_ROWS), bs)``, any block size of at least 32 threads (128 on a
-    GPU, 32 simulated).
+    """Grid ``(ceil(N / FINISH_ROWS), bs)``, block ``(FINISH_THREADS,)`` (128 on a GPU, 32
+    simulated).
 
     Rows ``i0 .. i0 + 31`` of request ``b``. Row ``i``'s ancestor set (``i`` and every node on
     its path to the root, at most ``MAX_DEPTH + 1`` of them) is one walk up ``parents``, read
@@ -352,7 +352,7 @@ def _finish_kernel(top_token_ids, root_token_ids, prefix_lens, has_prefix, paren
     b = cuda.blockIdx.y
     i0 = cuda.blockIdx.x * FINISH_ROWS
     tid = cuda.threadIdx.x
-    threads = cuda.blockDim.x
+    threads = FINISH_THREADS                # a constant: no division to set up a loop
     lane = tid % 32
     warp = tid // 32
     warps = threads // 32

@@ -150,7 +150,7 @@ def _select_levels_kernel(lp, budget, parents, depths, log_weights, next_token, 
     if redo_only and num_nodes[b] != -1:                   # uniform over the block
         return
     tid = cuda.threadIdx.x
-    T = cuda.blockDim.x
+    T = LEVEL_THREADS                      # a constant step (see _device.launch)
     L, K = lp.shape[1], lp.shape[2]
     N = parents.shape[1]
     B = budget

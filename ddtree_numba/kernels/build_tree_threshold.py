@@ -251,7 +251,7 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
     ``num_nodes[b] = -1``: the fall-back takes it)."""
     b = cuda.blockIdx.x
     tid = cuda.threadIdx.x
-    T = cuda.blockDim.x
+    T = THREADS                                    # a constant step (see _device.launch)
     L, K = lp.shape[1], lp.shape[2]
     N = parents.shape[1]
     B = int32(budget)

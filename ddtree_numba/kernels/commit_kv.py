@@ -152,7 +152,7 @@ def _commit_kv_kernel(kv_layers, block_table, prefix_lens, accept_nodes, accept_
     for first in range(0, k, PLAN_MOVES):           # (k is the same for the whole block)
         count = min(PLAN_MOVES, k - first)
         plan_moves(paging, accept_nodes[b], N, P, first, count, num_pages, page_size, plan,
-                   cuda.threadIdx.x, cuda.blockDim.x)
+                   cuda.threadIdx.x, COMMIT_THREADS)
         cuda.syncthreads()                          # the plan complete before any move
         if moves:                                   # kv_layers[layer]: [num_pages, ...], a view
             commit_column(kv_layers[layer], plan, count, col)

@@ -306,10 +306,10 @@ def _make_topk_kernels(bf16: bool):
         cand = cuda.shared.array(SORT_CAP, uint64)
         hist, scratch, result, red_u, red_f, n_cand = select_shared()
         m, total, _ = select_top(logit_bits[row_id], 0, logit_bits.shape[1], k, tid,
-                                 cuda.blockDim.x, cand, hist, scratch, result, red_u, red_f,
+                                 TOPK_THREADS, cand, hist, scratch, result, red_u, red_f,
                                  n_cand)
         lse = m + math.log(total) if m > NEG_INF else NEG_INF
-        _write_top(cand, k, lse, row_id, tid, cuda.blockDim.x, top_log_probs, top_token_ids)
+        _write_top(cand, k, lse, row_id, tid, TOPK_THREADS, top_log_probs, top_token_ids)
 
     @cuda.jit
     def part_kernel(logit_bits, k, chunk, part_keys, part_max, part_sum):
@@ -322,7 +322,7 @@ def _make_topk_kernels(bf16: bool):
         V = logit_bits.shape[1]
         lo = min(p * chunk, V)
         hi = min(lo + chunk, V)
-        T = cuda.blockDim.x
+        T = TOPK_THREADS                    # a constant step (see _device.launch)
         cand = cuda.shared.array(SORT_CAP, uint64)
         if lo == hi:                        # an empty slice (the whole block returns here)
             store_part(cand, 0, NEG_INF, float32(0.0), row_id, p, k, tid, T, part_keys,
@@ -418,7 +418,7 @@ def _merge_kernel(part_keys, part_max, part_sum, k, top_log_probs, top_token_ids
     lists = cuda.shared.array(MERGE_SLOTS, uint64)
     stats = cuda.shared.array(1, float32)
     merge_parts(part_keys, part_max, part_sum, cuda.blockIdx.x, k, lists, stats,
-                cuda.threadIdx.x, cuda.blockDim.x, top_log_probs, top_token_ids)
+                cuda.threadIdx.x, TOPK_THREADS, top_log_probs, top_token_ids)
 
 
 def merge_slots(parts: int, k: int) -> int:

@@ -133,7 +133,7 @@ def _tree_accept_kernel(token_ids, next_token, next_sibling, target_predict, acc
                         accept_len, accept_tokens, bonus_token):
     b = cuda.blockIdx.x
     tid = cuda.threadIdx.x
-    threads = cuda.blockDim.x
+    threads = ACCEPT_THREADS                        # a constant step (_device.launch)
     N = token_ids.shape[1]
     tok = cuda.shared.array(MAX_NODES, int32)
     path = cuda.shared.array(MAX_NODES, int32)

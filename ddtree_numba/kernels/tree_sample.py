@@ -162,7 +162,7 @@ def _tree_sample_kernel(token_ids, next_token, next_sibling, target_probs, unifo
     """``target_probs`` is ``[bs N, V]``: row ``b N + node``."""
     b = cuda.blockIdx.x
     tid = cuda.threadIdx.x
-    threads = cuda.blockDim.x
+    threads = SAMPLE_THREADS                        # a constant step (_device.launch)
     N = token_ids.shape[1]
     V = target_probs.shape[1]
     path = cuda.shared.array(MAX_NODES, int32)
@@ -202,7 +202,7 @@ def _tree_sample_logits_kernel(token_ids, next_token, next_sibling, logits, temp
     """``logits`` is ``[bs N, V]``: row ``b N + node``. Launched with ``PROB_THREADS``."""
     b = cuda.blockIdx.x
     tid = cuda.threadIdx.x
-    threads = cuda.blockDim.x
+    threads = PROB_THREADS                          # a constant step (_device.launch)
     N = token_ids.shape[1]
     V = logits.shape[1]
     red = cuda.shared.array(PROB_THREADS, float32)
