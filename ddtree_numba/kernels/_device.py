@@ -154,8 +154,8 @@ def launch(kernel, griddim, blockdim, stream=None, shared_bytes=0):
     never by ``cuda.blockDim.x``: numba sets up ``range(tid, n, step)`` by computing its trip
     count, a division by ``step``. By a constant that is a shift; by ``blockDim.x`` it is a
     signed division at every loop entry, a call of about 70 instructions when an operand is
-    64-bit (a shape). The finish kernel of ``build_tree`` ran 32 such loops a block, about
-    5 us at budget 64 on the H200.
+    64-bit (a shape). The finish kernel of ``build_tree`` runs 32 such loops a block: with
+    ``blockDim.x`` they cost it 3.4 of its 12.6 us at budget 64 on the H200.
     """
     stream = launch_stream() if stream is None else stream
     saved = getattr(config, "CUDA_LOW_OCCUPANCY_WARNINGS", 0)
