@@ -246,6 +246,31 @@ def test_kernel_accepts_device_arrays_and_fills_preallocated_outputs():
     assert_trees_equal(got, want)
 
 
+def test_kernel_refuses_preallocated_buffers_it_would_write_past():
+    """The kernels index without bounds checks: an ``out`` tree or a ``scratch`` whose shape
+    or dtype is not what a launch writes is refused before any launch, naming the buffer."""
+    import dataclasses
+
+    from numba import cuda
+
+    lp, ids, roots, budget, _ = random_tree_inputs(np.random.default_rng(9), bs=3, budget=40)
+    bs, N = lp.shape[0], budget + 1
+    good = K.allocate_tree(bs, N)
+    narrow = dataclasses.replace(good, visibility_bits=cuda.device_array((bs, N, 1), np.uint32))
+    with pytest.raises(ValueError, match=r"out.visibility_bits: expected uint32\[3, 41, 2\]"):
+        K.build_tree(lp, ids, roots, budget, out=narrow)
+    short = dataclasses.replace(good, parents=cuda.device_array((bs, N - 1), np.int32))
+    with pytest.raises(ValueError, match=r"out.parents: expected int32\[3, 41\]"):
+        K.build_tree(lp, ids, roots, budget, out=short)
+    wrong = dataclasses.replace(good, visibility=cuda.device_array((bs, N, N), np.uint8))
+    with pytest.raises(ValueError, match="out.visibility: expected bool"):
+        K.build_tree(lp, ids, roots, budget, out=wrong)
+    with pytest.raises(TypeError, match="out: expected a DraftTree"):
+        K.build_tree(lp, ids, roots, budget, out=(good,))
+    with pytest.raises(ValueError, match=r"scratch: expected int32\[3, 41\]"):
+        K.build_tree(lp, ids, roots, budget, scratch=cuda.device_array((bs, N - 1), np.int32))
+
+
 def test_levels_kernel_bit_exact_past_the_small_sizes():
     """Ranks past 8, more than a chunk of candidates a round and a final sort of hundreds of
     nodes: what the GPU's sizes exercise, on the simulator's small blocks."""

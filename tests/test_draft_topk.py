@@ -271,8 +271,9 @@ def resident_case(case, rng):
     if case == "empty_slice":                           # 20 words in 6 parts of 4: the last
         V, k, parts = 40, 6, 6                          # slice is empty
         x = rng.standard_normal((1, 2, V)).astype(np.float32)
-    if case == "no_floor":                              # 20 words < k = 30 logits: fewer
-        V, k = 40, 30                                   # threads hold one than k, no floor
+    if case == "no_floor":                              # 20 words: a warp with fewer than
+        V, k = 40, 30                                   # j = k / warps threads holding
+                                                        # logits, no floor
         x = rng.standard_normal((1, 2, V)).astype(np.float32)
     if case == "ties_fall_back":                        # one key SLICE_CAP times: more ties
         x[0, 0] = 0.0                                   # than CAND_CAP at 32 bits, the
@@ -282,7 +283,8 @@ def resident_case(case, rng):
         # other lanes smaller logits: with fewer cluster lanes a warp than j = k / warps, the
         # floor is a small lane's max and the whole cluster passes it, more than CAND_CAP.
         # One logit far above the cluster: the first round's bins are 2**24 keys wide and the
-        # cluster sits in one of them; it is histogrammed again with 2**16-wide bins, then 2**8
+        # cluster sits in one of them; it is histogrammed again with 2**16-wide bins (and on a
+        # GPU, with more keys, again with 2**8)
         x = (0.5 * rng.random((1, 2, V))).astype(np.float32)
         cluster = (np.arange(V) // 2) % 32 < 12         # lane of logit i: (word i // 2) % 32
         x[:, :, cluster] = 1.0 + rng.random((1, 2, int(cluster.sum()))) * 1e-2

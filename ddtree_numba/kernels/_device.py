@@ -149,13 +149,16 @@ def launch(kernel, griddim, blockdim, stream=None, shared_bytes=0):
     ~0.1 us per launch, where ``warnings.catch_warnings`` costs ~1-2 us and resets every
     module's once-only warning registry.
 
-    Every kernel of the library is launched with the block size its module names as a
-    constant (``FINISH_THREADS``, ``THREADS``, ...), and its loops stride by that constant,
-    never by ``cuda.blockDim.x``: numba sets up ``range(tid, n, step)`` by computing its trip
-    count, a division by ``step``. By a constant that is a shift; by ``blockDim.x`` it is a
-    signed division at every loop entry, a call of about 70 instructions when an operand is
-    64-bit (a shape). The finish kernel of ``build_tree`` runs 32 such loops a block: with
-    ``blockDim.x`` they cost it 3.4 of its 12.6 us at budget 64 on the H200.
+    The DDTree stage kernels (``draft_topk``, ``build_tree``, ``tree_accept``, ``commit_kv``,
+    ``accept_commit``, ``tree_sample``) are launched with the block size their module names
+    as a constant (``FINISH_THREADS``, ``THREADS``, ...), and their loops stride by that
+    constant, not by ``cuda.blockDim.x`` (``verify_attn``'s merge kernels and the model's
+    dense kernels still do, at one loop a block): numba sets up ``range(tid, n, step)`` by
+    computing its trip count, a division by ``step``. By a constant that is a shift; by
+    ``blockDim.x`` it is a signed division at every loop entry, a call of about 70
+    instructions when an operand is 64-bit (a shape). The finish kernel of ``build_tree``
+    runs 32 such loops a block: with ``blockDim.x`` they cost it 3.4 of its 12.6 us at
+    budget 64 on the H200.
     """
     stream = launch_stream() if stream is None else stream
     saved = getattr(config, "CUDA_LOW_OCCUPANCY_WARNINGS", 0)

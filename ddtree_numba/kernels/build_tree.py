@@ -70,6 +70,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int16, int32, uint32
 
+from ..arrays import array_info, describe
 from ..contracts import DraftTree
 from ..limits import MAX_DEPTH, MAX_NODES, MAX_WORDS, ceil_words
 from ..validation import check_build_tree
@@ -421,6 +422,29 @@ def allocate_tree(bs: int, N: int) -> DraftTree:
     )
 
 
+def checked_tree(out, bs: int, N: int) -> DraftTree:
+    """``out`` if each of its buffers has the dtype and shape the kernels write (they index
+    without bounds checks: a smaller buffer would be written out of bounds), else a
+    ``TypeError`` / ``ValueError`` naming the buffer; a new :func:`allocate_tree` when ``out``
+    is None."""
+    if out is None:
+        return allocate_tree(bs, N)
+    if not isinstance(out, DraftTree):
+        raise TypeError(f"out: expected a DraftTree (allocate_tree), got {type(out).__name__}")
+    W = ceil_words(N)
+    for name, dtype, shape in (
+            ("token_ids", np.int32, (bs, N)), ("parents", np.int32, (bs, N)),
+            ("depths", np.int32, (bs, N)), ("log_weights", np.float32, (bs, N)),
+            ("num_nodes", np.int32, (bs,)), ("next_token", np.int32, (bs, N)),
+            ("next_sibling", np.int32, (bs, N)), ("visibility", np.bool_, (bs, N, N)),
+            ("visibility_bits", np.uint32, (bs, N, W)), ("positions", np.int32, (bs, N))):
+        info = array_info(f"out.{name}", getattr(out, name))
+        if info.shape != shape or info.dtype != np.dtype(dtype):
+            raise ValueError(f"out.{name}: expected {np.dtype(dtype).name}{list(shape)} "
+                             f"(allocate_tree), got {describe(info)}")
+    return out
+
+
 def build_tree(top_log_probs, top_token_ids, root_token_ids, budget, *, prefix_lens=None,
                check=None, variant=None, out=None, scratch=None) -> DraftTree:
     """Build one best-first draft tree per request on the GPU (two launches, no sync).
@@ -451,7 +475,7 @@ def build_tree(top_log_probs, top_token_ids, root_token_ids, budget, *, prefix_l
         the select level by level (:mod:`~ddtree_numba.kernels.build_tree_levels`).
     out : DraftTree, optional
         Preallocated device buffers (:func:`~ddtree_numba.kernels.allocate_tree`) to fill,
-        e.g. for graph capture.
+        e.g. for graph capture; a buffer of another shape or dtype is refused (ValueError).
     scratch : device array, optional
         ``int32[bs, N]`` for the rank of each node; allocated when omitted.
 
@@ -477,8 +501,14 @@ def build_tree(top_log_probs, top_token_ids, root_token_ids, budget, *, prefix_l
     roots = as_device(root_token_ids)
     has_prefix = prefix_lens is not None
     prefix = as_device(prefix_lens) if has_prefix else roots   # placeholder, never read
-    tree = allocate_tree(sz.bs, sz.N) if out is None else out
-    ranks = device_empty((sz.bs, sz.N), np.int32) if scratch is None else scratch
+    tree = checked_tree(out, sz.bs, sz.N)
+    if scratch is None:
+        ranks = device_empty((sz.bs, sz.N), np.int32)
+    else:
+        info = array_info("scratch", scratch)
+        if info.shape != (sz.bs, sz.N) or info.dtype != np.int32:
+            raise ValueError(f"scratch: expected int32[{sz.bs}, {sz.N}], got {describe(info)}")
+        ranks = scratch
     if sz.bs == 0:
         return tree
 

@@ -300,7 +300,8 @@ def _make_topk_kernels(bf16: bool):
 
     @cuda.jit
     def whole_row_kernel(logit_bits, k, top_log_probs, top_token_ids):
-        """Grid ``(rows,)``, block ``(T,)``; row ``logit_bits[row, :]`` -> K outputs."""
+        """Grid ``(rows,)``, block ``(TOPK_THREADS,)``; row ``logit_bits[row, :]`` -> K
+        outputs."""
         row_id = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         cand = cuda.shared.array(SORT_CAP, uint64)
@@ -413,8 +414,8 @@ def merge_parts(part_keys, part_max, part_sum, row_id, k, lists, stats, tid, T, 
 
 @cuda.jit
 def _merge_kernel(part_keys, part_max, part_sum, k, top_log_probs, top_token_ids):
-    """Grid ``(rows,)``, block ``(T,)``: ``merge_parts`` for each row (the second launch of
-    a split row in the two-pass and one-pass variants)."""
+    """Grid ``(rows,)``, block ``(TOPK_THREADS,)``: ``merge_parts`` for each row (the second
+    launch of a split row in the two-pass and one-pass variants)."""
     lists = cuda.shared.array(MERGE_SLOTS, uint64)
     stats = cuda.shared.array(1, float32)
     merge_parts(part_keys, part_max, part_sum, cuda.blockIdx.x, k, lists, stats,
