@@ -149,11 +149,13 @@ def launch(kernel, griddim, blockdim, stream=None, shared_bytes=0):
     ~0.1 us per launch, where ``warnings.catch_warnings`` costs ~1-2 us and resets every
     module's once-only warning registry.
 
-    The DDTree stage kernels (``draft_topk``, ``build_tree``, ``tree_accept``, ``commit_kv``,
-    ``accept_commit``, ``tree_sample``) are launched with the block size their module names
-    as a constant (``FINISH_THREADS``, ``THREADS``, ...), and their loops stride by that
-    constant, not by ``cuda.blockDim.x`` (``verify_attn``'s merge kernels and the model's
-    dense kernels still do, at one loop a block): numba sets up ``range(tid, n, step)`` by
+    Most DDTree stage kernels (``draft_topk``, ``build_tree``'s finish and levels select,
+    ``tree_accept``, ``commit_kv``, ``tree_sample``) stride their loops by the block size their
+    module names as a constant (``FINISH_THREADS``, ``TOPK_THREADS``, ...), which their
+    launchers always use, not by ``cuda.blockDim.x``. (The threshold select and
+    ``accept_commit`` keep ``blockDim.x``: with the constant LLVM unrolled their loops into
+    more registers than their blocks afford; ``verify_attn``'s merge kernels and the model's
+    dense kernels run one such loop a block.) Numba sets up ``range(tid, n, step)`` by
     computing its trip count, a division by ``step``. By a constant that is a shift; by
     ``blockDim.x`` it is a signed division at every loop entry, a call of about 70
     instructions when an operand is 64-bit (a shape). The finish kernel of ``build_tree``

@@ -67,7 +67,9 @@ def _accept_commit_kernel(token_ids, next_token, next_sibling, target_predict, k
     b = cuda.blockIdx.x
     part = cuda.blockIdx.y                          # this block's share of the moves
     tid = cuda.threadIdx.x
-    threads = ACCEPT_COMMIT_THREADS                 # a constant step (_device.launch)
+    # blockDim.x, not the constant (_device.launch): with the constant this kernel took 78
+    # registers on sm_120 (one block an SM, not two), and 16 B of spills when capped at 64
+    threads = cuda.blockDim.x
     N = token_ids.shape[1]
     page_size = kv_words.shape[2]
     tok = cuda.shared.array(MAX_NODES, int32)
