@@ -399,6 +399,25 @@ def test_resident_bfloat16_kernel():
         assert (np.abs(lp[b] - want_lp[b, 0]) <= bound).all()
 
 
+def test_kernel_refuses_outputs_it_would_write_past():
+    """``out`` of another shape, dtype or kind is refused before any launch, naming it (the
+    kernels write ``k`` entries a row without bounds checks)."""
+    from numba import cuda
+
+    x = np.random.default_rng(4).standard_normal((2, 3, 64)).astype(np.float32)
+    lp = cuda.device_array((2, 3, 8), np.float32)
+    ids = cuda.device_array((2, 3, 8), np.int32)
+    with pytest.raises(ValueError, match=r"out\[0\]: expected float32\[bs=2, L=3, k=8\]"):
+        K.draft_topk(x, 8, out=(cuda.device_array((2, 3, 4), np.float32), ids))
+    with pytest.raises(TypeError, match=r"out\[1\]: expected int32"):
+        K.draft_topk(x, 8, out=(lp, cuda.device_array((2, 3, 8), np.int64)))
+    with pytest.raises(TypeError, match="out: expected a tuple"):
+        K.draft_topk(x, 8, out=[lp, ids])
+    got_lp, got_ids = K.draft_topk(x, 8, out=(lp, ids))     # the right buffers are filled
+    assert got_lp is lp and got_ids is ids
+    np.testing.assert_array_equal(ids.copy_to_host(), ref.draft_topk(x, 8)[1])
+
+
 def test_resident_variant_refuses_what_it_cannot_take():
     from ddtree_numba.kernels.draft_topk_resident import RESIDENT_MAX_K, SLICE_CAP
 

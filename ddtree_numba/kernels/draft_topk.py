@@ -663,8 +663,14 @@ def draft_topk(logits, k, *, check=None, out=None, parts=None, scratch=None, var
     if out is None:
         top_lp = device_empty((sz.bs, sz.L, sz.k), np.float32)
         top_ids = device_empty((sz.bs, sz.L, sz.k), np.int32)
-    else:
+    else:                                   # the kernels write k per row unchecked
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise TypeError(f"out: expected a tuple (top_log_probs, top_token_ids), got "
+                            f"{type(out).__name__}")
         top_lp, top_ids = out
+        sizes = {"bs": sz.bs, "L": sz.L, "k": sz.k}
+        require_array("out[0]", top_lp, (np.float32,), ("bs", "L", "k"), sizes)
+        require_array("out[1]", top_ids, (np.int32,), ("bs", "L", "k"), sizes)
     if rows:
         stream = launch_stream()
         outputs = (top_lp.reshape(rows, sz.k), top_ids.reshape(rows, sz.k))
