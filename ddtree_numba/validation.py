@@ -701,6 +701,16 @@ def kv_cache_dims(kv_cache) -> tuple:
     return dims
 
 
+def require_buffer(name: str, a, dtype, shape, made_by: str):
+    """An output or scratch buffer a kernel writes without bounds checks: ``a`` must be
+    ``dtype`` of exactly ``shape`` (a smaller one would be written out of bounds), else a
+    ``ValueError`` naming it and what makes the right one (``made_by``)."""
+    info = array_info(name, a)
+    if info.shape != tuple(shape) or info.dtype != np.dtype(dtype):
+        raise ValueError(f"{name}: expected {np.dtype(dtype).name}{list(shape)} ({made_by}), "
+                         f"got {describe(info)}")
+
+
 def require_new_lengths(name: str, out, prefix_lens, bs: int):
     """``out``, where a commit writes each request's new length: ``int32[bs]`` and a buffer
     of its own. Not ``prefix_lens`` itself: other blocks of the request still read

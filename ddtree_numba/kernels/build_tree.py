@@ -70,10 +70,9 @@ import math
 import numpy as np
 from numba import cuda, float32, int16, int32, uint32
 
-from ..arrays import array_info, describe
 from ..contracts import DraftTree
 from ..limits import MAX_DEPTH, MAX_NODES, MAX_WORDS, ceil_words
-from ..validation import check_build_tree
+from ..validation import check_build_tree, require_buffer
 from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream, resolve_variant
 from ._primitives import FULL_MASK, float_of_key, key_of_float, warp_max_u32
 
@@ -438,10 +437,7 @@ def checked_tree(out, bs: int, N: int) -> DraftTree:
             ("num_nodes", np.int32, (bs,)), ("next_token", np.int32, (bs, N)),
             ("next_sibling", np.int32, (bs, N)), ("visibility", np.bool_, (bs, N, N)),
             ("visibility_bits", np.uint32, (bs, N, W)), ("positions", np.int32, (bs, N))):
-        info = array_info(f"out.{name}", getattr(out, name))
-        if info.shape != shape or info.dtype != np.dtype(dtype):
-            raise ValueError(f"out.{name}: expected {np.dtype(dtype).name}{list(shape)} "
-                             f"(allocate_tree), got {describe(info)}")
+        require_buffer(f"out.{name}", getattr(out, name), dtype, shape, "allocate_tree")
     return out
 
 
@@ -505,9 +501,7 @@ def build_tree(top_log_probs, top_token_ids, root_token_ids, budget, *, prefix_l
     if scratch is None:
         ranks = device_empty((sz.bs, sz.N), np.int32)
     else:
-        info = array_info("scratch", scratch)
-        if info.shape != (sz.bs, sz.N) or info.dtype != np.int32:
-            raise ValueError(f"scratch: expected int32[{sz.bs}, {sz.N}], got {describe(info)}")
+        require_buffer("scratch", scratch, np.int32, (sz.bs, sz.N), "the rank of each node")
         ranks = scratch
     if sz.bs == 0:
         return tree

@@ -482,9 +482,9 @@ def resident_pays(rows: int, V: int, k: int) -> bool:
     """Whether the default takes the resident kernel: on a GPU, ``k <= RESIDENT_MAX_K``, ``V``
     a multiple of 4 (whole 8-byte words in either type), rows too long for one block, and the
     blocks it needs fit the SMs in one wave (``rows * resident_min_parts(V) <= SMs``: at bs 1,
-    L 15, V 163 840, 105 blocks). H200, bs 1, L 15, k 256: 40 against 73 us for the two-pass
-    kernel at V 163 840, 30 against 34 at V 32 000; at V 4 096 (a row a block) 19 against 17,
-    so there the two-pass kernel stays."""
+    L 15, V 163 840, 105 blocks). H200, bs 1, L 15, k 256: 36 against 41-51 us for the
+    two-pass kernel at V 163 840, 26 against 30 at V 32 000; at V 4 096 (a row a block) 19
+    against 17 (an earlier build), so there the two-pass kernel stays."""
     from .draft_topk_resident import RESIDENT_MAX_K
 
     if SIMULATOR or rows < 1 or k > RESIDENT_MAX_K or V % 4:

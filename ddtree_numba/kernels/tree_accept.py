@@ -24,10 +24,9 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, int32
 
-from ..arrays import array_info, describe
 from ..contracts import AcceptResult
 from ..limits import MAX_NODES
-from ..validation import check_tree_accept
+from ..validation import check_tree_accept, require_buffer
 from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream
 
 # 1024 threads: a walk's block stages its rows in one round of loads (with 128 the staging was
@@ -162,10 +161,7 @@ def checked_out(out, bs: int, N: int) -> AcceptResult:
         return allocate_accept(bs, N)
     for name, want in (("accept_nodes", (bs, N)), ("accept_len", (bs,)),
                        ("accept_tokens", (bs, N)), ("bonus_token", (bs,))):
-        info = array_info(f"out.{name}", getattr(out, name))
-        if info.shape != want or info.dtype != np.int32:
-            raise ValueError(f"out.{name}: expected int32{list(want)} (allocate_accept), got "
-                             f"{describe(info)}")
+        require_buffer(f"out.{name}", getattr(out, name), np.int32, want, "allocate_accept")
     return out
 
 
