@@ -219,13 +219,18 @@ def _make_resident_kernels(bf16: bool):
         inclusive, found = block_inclusive_scan(scratch, count, tid, RESIDENT_THREADS)
         if found <= CAND_CAP:                   # (the same for every thread)
             slot = int32(inclusive - count)     # this thread's first slot
-            for i in range(LOGITS_PER_THREAD):
-                key = keys[i]
-                if key >= edge:                 # key i: logit i % per_word of word i // per_word
-                    logit_id = uint32((wlo + (i // per_word) * RESIDENT_THREADS + tid)
-                                      * per_word + i % per_word)
-                    cand[slot] = (uint64(key) << uint64(32)) | uint64(0xFFFFFFFF - logit_id)
-                    slot = int32(slot + 1)
+            # Two constant loops over (word, logit), not one over the 48 keys: keys[] stays in
+            # registers only if the loop unrolls, and NVVM 13.0 left a flat 48-step loop rolled
+            # for sm_120 (keys[] in a 192 B local-memory frame; 13.5 and sm_90 unrolled it)
+            first_id = uint32((wlo + tid) * per_word)   # logit 0 of the thread's word 0
+            for u in range(words_per_thread):
+                for j in range(per_word):
+                    key = keys[u * per_word + j]
+                    if key >= edge:             # logit j of word wlo + u * T + tid
+                        logit_id = first_id + uint32(u * RESIDENT_THREADS * per_word + j)
+                        cand[slot] = ((uint64(key) << uint64(32))
+                                      | uint64(0xFFFFFFFF - logit_id))
+                        slot = int32(slot + 1)
         cuda.syncthreads()                      # every candidate written
         return int32(found)
 
