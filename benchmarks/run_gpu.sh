@@ -2,7 +2,7 @@
 # One batched GPU session: the test suite on the device, then every benchmark.
 # Logs and CSVs go to $OUT (the device tool brings them back). Usage, from the repo root:
 #   bash benchmarks/run_gpu.sh [all|tests|tests-a|tests-b|bench|profile|attn|attn-mma|
-#                               attn-profile|attn-mma-stalls|small|step|sampling]
+#                               attn-profile|attn-mma-stalls|small|step|sampling|phases]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-benchmarks/results}
@@ -50,6 +50,9 @@ if [ "$what" = profile ] || [ "$what" = all ]; then
         grep -E "Duration|cycles_elapsed|Stall|stall|Warp Cycles|Elapsed Cycles" \
             "$OUT/ncu_$kernel.txt" | head -30
     done
+fi
+if [ "$what" = phases ]; then    # clock marks: each phase of a block (phase_clock.py)
+    (cd benchmarks && OUT="$OUT" timeout 300 python3 phase_clock.py) 2>&1 | grep -v Warn | tail -40
 fi
 if [ "$what" = attn-profile ]; then   # the tiled verify_attn at bs 1, N 16, P 1024, H 128
     (cd benchmarks && timeout 240 ncu --clock-control none --kernel-name regex:tiled \

@@ -1,0 +1,257 @@
+"""Where one block's time goes: clock marks at a kernel's barriers (GPU only).
+
+Nsight Compute says which instructions stall; this says how long each *phase* of a block takes.
+The kernel's source is copied with a mark after chosen lines, and the copy is compiled in place
+of the original. A mark is ``if tid == 0: marks[slot] = clock()``. ``clock`` is a CUDA C++
+device function returning the SM's ``clock64()``, linked with ``cuda.declare_device``. A mark
+placed right after a barrier reads when the block left it. So the difference of two such marks
+is the time of the phase between them, as long as its slowest warp took. Marks of the
+threshold select also record which phase ended (a code: ``100 + d`` is level ``d``'s count and
+so on); the list is printed in order.
+
+Two kernels, at bs 1:
+
+* ``draft_topk``'s resident part kernel, V 163 840, K 256 and 16, float32. The median over the
+  120 blocks of each phase, the number of candidates sorted, and the last block's merge.
+* ``build_tree``'s threshold select, on ``bench_build_tree.py``'s inputs, one line per budget.
+  Codes: ``1`` root and row 0; ``100 + d`` level ``d``'s count; ``200 + d`` a floor rise (the
+  radix select); ``300 + d`` the compaction after it; ``400 + d`` the expansion; ``500 + d``
+  the next row stored; ``600 + i`` the i-th final sort; ``700`` the node table; ``800`` the
+  links.
+
+Kernels are launched back to back, without an L2 flush and outside a graph. Compare phases with
+each other, not the totals with the benchmarks. Each mark adds a few instructions to thread 0.
+The anchors are lines of the kernels' source: if one has changed, the script stops and names
+it. Writes ``$OUT/phase_clock.txt``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import types
+
+import numpy as np
+from harness import Bench  # noqa: F401  (sets NUMBA_CUDA_ARRAY_INTERFACE_SYNC before numba)
+from numba import cuda
+
+import ddtree_numba.kernels.build_tree_threshold as threshold_module
+import ddtree_numba.kernels.draft_topk_resident as resident_module
+from ddtree_numba import kernels as K
+from ddtree_numba import reference as ref
+from ddtree_numba.kernels.draft_topk import parts_per_row
+
+CLOCK_SOURCE = r"""
+extern "C" __device__ int phase_clock(long long* out) { *out = clock64(); return 0; }
+extern "C" __device__ int phase_ns(long long* out) {
+    long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); *out = t; return 0; }
+"""
+PRELUDE = """
+_clock_link = cuda.CUSource(CLOCK_SOURCE)
+clock = cuda.declare_device("phase_clock", "int64()", link=_clock_link)
+ns = cuda.declare_device("phase_ns", "int64()", link=_clock_link)
+"""
+
+
+def instrument(module, edits):
+    """A copy of ``module`` compiled from its source with ``edits`` (``(anchor, replacement)``
+    pairs, each anchor found exactly once) and the clock functions; returns the new module."""
+    source = open(module.__file__).read()
+    package = module.__name__.rsplit(".", 1)[0]
+    source = source.replace("from ..", "from ddtree_numba.").replace(
+        "from .", f"from {package}.")
+    for anchor, replacement in edits:
+        if source.count(anchor) != 1:
+            sys.exit(f"phase_clock: {module.__name__} no longer has this line once: {anchor!r}")
+        source = source.replace(anchor, replacement)
+    copy = types.ModuleType(module.__name__ + "_marked")
+    copy.__dict__["CLOCK_SOURCE"] = CLOCK_SOURCE
+    exec(compile(source.replace("\nTHREADS = ", PRELUDE + "\nTHREADS = ", 1)
+                 .replace("\nRESIDENT_THREADS = ", PRELUDE + "\nRESIDENT_THREADS = ", 1),
+                 f"<{copy.__name__}>", "exec"), copy.__dict__)
+    return copy
+
+
+def mark(indent: int, slot: str, code: str | None = None, fn: str = "clock") -> str:
+    """Source lines: thread 0 writes ``fn()`` (and ``code``) at ``slot``."""
+    pad = " " * indent
+    lines = f"{pad}if tid == 0:\n{pad}    marks[{slot}] = {fn}()\n"
+    if code is not None:
+        lines += f"{pad}    codes[{slot}] = {code}\n"
+    return lines
+
+
+# ---------------------------------------------------------------- draft_topk, resident parts
+RESIDENT_PHASES = ["start", "loads and keys", "block max", "floor", "sum of exp", "gather",
+                   "sort", "store", "arrival", "merge (last block)"]
+
+
+def resident_edits():
+    a = [("    def resident_select(words, bits, wlo, whi, k, tid, cand, hist, scratch, result, "
+          "red_u,\n                        red_f, n_cand):",
+          "    def resident_select(words, bits, wlo, whi, k, tid, cand, hist, scratch, result, "
+          "red_u,\n                        red_f, n_cand, marks):")]
+    after = {
+        "        top_t = uint32(0)                       # this thread's largest key (0: holds "
+        "none)\n": 1,
+        "        key_max = block_max_u32(red_u, top_t, tid, T)\n": 2,
+        "        floor = max(floor, uint32(1))           # never the \"none\" key 0 (past the "
+        "slice)\n": 3,
+        "        total = block_sum_f32(red_f, s, tid, T)\n": 4,
+    }
+    a += [(line, line + mark(8, str(slot))) for line, slot in after.items()]
+    sort = "        sort_desc_any(cand, found, tid, T)\n"
+    a += [(sort, mark(8, "5") + "        if tid == 0:\n            marks[14] = found\n"
+           + sort + mark(8, "6"))]
+    a += [("    def part_kernel(words, bits, k, chunk, part_keys, part_max, part_sum, "
+           "row_done,\n                    top_log_probs, top_token_ids):",
+           "    def part_kernel(words, bits, k, chunk, part_keys, part_max, part_sum, "
+           "row_done,\n                    top_log_probs, top_token_ids, all_marks):"),
+          ("        n_words = words.shape[1]\n        lo = min(p * chunk, n_words)",
+           "        marks = all_marks[row_id, p]\n" + mark(8, "10", fn="ns") + mark(8, "0")
+           + "        n_words = words.shape[1]\n        lo = min(p * chunk, n_words)"),
+          ("hist, scratch, result, red_u, red_f, n_cand)\n            store_part(cand, kk,",
+           "hist, scratch, result, red_u, red_f, n_cand, marks)\n            "
+           "store_part(cand, kk,"),
+          ("        cuda.threadfence()                      # this thread's stores are visible "
+           "GPU-wide\n",
+           mark(8, "7") + "        cuda.threadfence()                      # this thread's "
+           "stores are visible GPU-wide\n"),
+          ("        cuda.syncthreads()                      # the flag is set\n",
+           "        cuda.syncthreads()                      # the flag is set\n" + mark(8, "8")),
+          ("                        RESIDENT_THREADS, top_log_probs, top_token_ids)\n\n"
+           "    return whole_row_kernel",
+           "                        RESIDENT_THREADS, top_log_probs, top_token_ids)\n"
+           + mark(12, "9") + mark(8, "11", fn="ns") + "\n    return whole_row_kernel")]
+    return a
+
+
+def resident_report(write):
+    import torch
+
+    marked = instrument(resident_module, resident_edits())
+    L, V = 15, 163_840
+    for k in (256, 16):
+        x = (torch.randn((1, L, V), device="cuda") * 3).to(torch.float32)
+        bits = K.as_device(x.view(torch.int32)).view(np.uint32).reshape(L, V)
+        words = bits.view(np.uint64)
+        parts = parts_per_row(L, V, k)
+        scratch = K.allocate_topk_scratch(1, L, V, k)
+        outs = (cuda.device_array((L, k), np.float32), cuda.device_array((L, k), np.int32))
+        _, part = marked.resident_kernels(False)
+        chunk = math.ceil(words.shape[1] / parts)
+        for _ in range(5):                  # compile, warm up; the last launch is read
+            marks = cuda.to_device(np.zeros((L, parts, 16), np.int64))
+            part[(L, parts), marked.RESIDENT_THREADS](words, bits, k, chunk, *scratch, *outs,
+                                                      marks)
+            cuda.synchronize()
+        t = marks.copy_to_host()
+        span_ns = t[:, :, 11].max() - t[:, :, 10].min()   # globaltimer: one clock for all
+        last = t[:, :, 9] > 0                  # the merging blocks: clock64 is per SM, so the
+        ghz = np.median((t[:, :, 9] - t[:, :, 0])[last]      # rate comes from within a block
+                        / (t[:, :, 11] - t[:, :, 10])[last])
+        write(f"\ndraft_topk resident, bs 1, L {L}, V {V}, k {k}, float32, {parts} parts: "
+              f"{span_ns / 1e3:.1f} us from the first block's start to the last one's end "
+              f"(clock {ghz:.2f} GHz)")
+        phases = np.diff(t[:, :, :10], axis=2) / ghz / 1e3
+        for i in range(9):
+            values = phases[:, :, i]
+            if i == 8:                      # only the last block of each row merges
+                values = values[t[:, :, 9] != 0]
+            write(f"  {RESIDENT_PHASES[i]:>15} -> {RESIDENT_PHASES[i + 1]:<18} median "
+                  f"{np.median(values):6.2f} us, max {np.max(values):6.2f}")
+        write(f"  candidates sorted a block: median {np.median(t[:, :, 14]):.0f}, "
+              f"max {t[:, :, 14].max()}")
+
+
+# ---------------------------------------------------------------- build_tree, threshold select
+def threshold_edits():
+    syncs = {
+        "    cuda.syncthreads()                             # the root and row 0 in place\n":
+            (4, "1"),
+        "        cuda.syncthreads()                         # the level written, lp_row read\n":
+            (8, "400 + d"),
+        "        cuda.syncthreads()                         # the next row in place\n":
+            (8, "500 + d"),
+        "        cuda.syncthreads()                         # flags and positions complete\n":
+            (8, "600 + it"),
+        "    cuda.syncthreads()                             # every next_token reset before "
+        "the links\n": (4, "700"),
+    }
+
+    def counted(indent, code):
+        pad = " " * indent
+        return (f"{pad}if tid == 0:\n{pad}    marks[b, mk] = clock()\n"
+                f"{pad}    codes[b, mk] = {code}\n{pad}mk += 1\n")
+
+    edits = [("next_sibling, ranks, num_nodes):",
+              "next_sibling, ranks, num_nodes, marks, codes):"),
+             ("    width0 = min(K, B)  ",
+              "    mk = 0\n" + counted(4, "0") + "    if tid == 0:\n        marks[b, 127] = ns()\n"
+              "    width0 = min(K, B)  ")]
+    edits += [(line, line + counted(indent, code)) for line, (indent, code) in syncs.items()]
+    count = ("                M = _count_children(score, mult, lp_row, work, scratch, start, n, "
+             "d, K, B,\n                                    floor, tid, T)\n")
+    rise = "                                            lp_row, hist, scratch, found, tid, T))\n"
+    compact = "                                start, tid, T)\n            stage += 1\n"
+    edits += [(count, count + counted(16, "100 + d")), (rise, rise + counted(12, "200 + d")),
+              (compact, compact.replace("            stage", counted(12, "300 + d")
+                                        + "            stage"))]
+    links = "        if rank[i] == 0 and 0 <= up < j:\n            next_token[b, up] = j\n"
+    edits += [(links, links + "    cuda.syncthreads()\n" + counted(4, "800")
+               + "    if tid == 0:\n        marks[b, 126] = ns()\n        marks[b, 125] = mk\n")]
+    return edits
+
+
+def threshold_report(write):
+    import cupy as cp
+
+    marked = instrument(threshold_module, threshold_edits())
+    rng = np.random.default_rng(0)                  # bench_build_tree.py's inputs, bs 1
+    L = 15
+    for budget in (64, 128, 256, 1024):
+        Kk = min(budget, 1024)
+        for bs in (1, 8, 64):
+            x = (rng.standard_normal((bs, L, Kk + 16)) * 3).astype(np.float32)
+            if bs != 1:
+                continue
+            lp, _ = ref.draft_topk(x, Kk)
+            d_lp = K.as_device(cp.asarray(lp))
+            tree = K.allocate_tree(bs, budget + 1)
+            ranks = K.as_device(cp.empty((bs, budget + 1), cp.int32))
+            table = (tree.parents, tree.depths, tree.log_weights, tree.next_token,
+                     tree.next_sibling, ranks, tree.num_nodes)
+            marks = cuda.to_device(np.zeros((bs, 128), np.int64))
+            codes = cuda.to_device(np.full((bs, 128), -1, np.int64))
+            for _ in range(3):
+                marked._select_threshold_kernel[bs, marked.THREADS](d_lp, budget, *table,
+                                                                    marks, codes)
+            cuda.synchronize()
+            t, c = marks.copy_to_host()[0], codes.copy_to_host()[0]
+            n = int(t[125])
+            elapsed_ns = t[126] - t[127]
+            ghz = (t[n - 1] - t[0]) / elapsed_ns
+            steps = ", ".join(f"{int(c[i])}: {(t[i] - t[i - 1]) / ghz / 1e3:.2f}"
+                              for i in range(1, n))
+            write(f"\nthreshold select, bs 1, budget {budget}: {elapsed_ns / 1e3:.1f} us "
+                  f"(clock {ghz:.2f} GHz); phase code: us\n  {steps}")
+
+
+def main():
+    out_dir = os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "results"))
+    lines = []
+
+    def write(line):
+        print(line, flush=True)
+        lines.append(line)
+
+    write(f"phase_clock on {cuda.get_current_device().name.decode()}")
+    resident_report(write)
+    threshold_report(write)
+    with open(os.path.join(out_dir, "phase_clock.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
