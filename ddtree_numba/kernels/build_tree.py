@@ -403,22 +403,22 @@ def _finish_kernel(top_token_ids, root_token_ids, prefix_lens, has_prefix, paren
 # ------------------------------------------------------------------------------------------
 # Launcher
 # ------------------------------------------------------------------------------------------
+def _tree_layout(bs: int, N: int) -> dict:
+    """``{field: (dtype, shape)}`` of a :class:`~ddtree_numba.DraftTree` of ``bs`` trees of
+    ``N`` nodes: what the kernels write, every element."""
+    W = ceil_words(N)
+    return {"token_ids": (np.int32, (bs, N)), "parents": (np.int32, (bs, N)),
+            "depths": (np.int32, (bs, N)), "log_weights": (np.float32, (bs, N)),
+            "num_nodes": (np.int32, (bs,)), "next_token": (np.int32, (bs, N)),
+            "next_sibling": (np.int32, (bs, N)), "visibility": (np.bool_, (bs, N, N)),
+            "visibility_bits": (np.uint32, (bs, N, W)), "positions": (np.int32, (bs, N))}
+
+
 def allocate_tree(bs: int, N: int) -> DraftTree:
     """Device buffers for a :class:`~ddtree_numba.DraftTree` (the kernels write every
     element)."""
-    W = ceil_words(N)
-    return DraftTree(
-        token_ids=device_empty((bs, N), np.int32),
-        parents=device_empty((bs, N), np.int32),
-        depths=device_empty((bs, N), np.int32),
-        log_weights=device_empty((bs, N), np.float32),
-        num_nodes=device_empty((bs,), np.int32),
-        next_token=device_empty((bs, N), np.int32),
-        next_sibling=device_empty((bs, N), np.int32),
-        visibility=device_empty((bs, N, N), np.bool_),
-        visibility_bits=device_empty((bs, N, W), np.uint32),
-        positions=device_empty((bs, N), np.int32),
-    )
+    return DraftTree(**{name: device_empty(shape, dtype)
+                        for name, (dtype, shape) in _tree_layout(bs, N).items()})
 
 
 def checked_tree(out, bs: int, N: int) -> DraftTree:
@@ -430,13 +430,7 @@ def checked_tree(out, bs: int, N: int) -> DraftTree:
         return allocate_tree(bs, N)
     if not isinstance(out, DraftTree):
         raise TypeError(f"out: expected a DraftTree (allocate_tree), got {type(out).__name__}")
-    W = ceil_words(N)
-    for name, dtype, shape in (
-            ("token_ids", np.int32, (bs, N)), ("parents", np.int32, (bs, N)),
-            ("depths", np.int32, (bs, N)), ("log_weights", np.float32, (bs, N)),
-            ("num_nodes", np.int32, (bs,)), ("next_token", np.int32, (bs, N)),
-            ("next_sibling", np.int32, (bs, N)), ("visibility", np.bool_, (bs, N, N)),
-            ("visibility_bits", np.uint32, (bs, N, W)), ("positions", np.int32, (bs, N))):
+    for name, (dtype, shape) in _tree_layout(bs, N).items():
         require_buffer(f"out.{name}", getattr(out, name), dtype, shape, "allocate_tree")
     return out
 
