@@ -193,7 +193,7 @@ def threshold_edits():
     edits += [(line, line + counted(indent, code)) for line, (indent, code) in syncs.items()]
     count = ("                M = _count_children(score, mult, lp_row, work, scratch, start, n, "
              "d, K, B,\n                                    floor, tid, T)\n")
-    rise = "                                            lp_row, hist, scratch, found, tid, T))\n"
+    rise = "                                           hist, scratch, found, tid, T))\n"
     compact = "                                start, tid, T)\n            stage += 1\n"
     edits += [(count, count + counted(16, "100 + d")), (rise, rise + counted(12, "200 + d")),
               (compact, compact.replace("            stage", counted(12, "300 + d")
@@ -246,7 +246,8 @@ def main():
         print(line, flush=True)
         lines.append(line)
 
-    write(f"phase_clock on {cuda.get_current_device().name.decode()}")
+    name = cuda.get_current_device().name
+    write(f"phase_clock on {name.decode() if isinstance(name, bytes) else name}")
     resident_report(write)
     threshold_report(write)
     with open(os.path.join(out_dir, "phase_clock.txt"), "w") as f:

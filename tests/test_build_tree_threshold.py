@@ -15,6 +15,8 @@ from ddtree_numba import reference as ref
 from ddtree_numba.reference import best_first
 from ddtree_numba.reference.build_tree_threshold import (
     best_first_by_threshold,
+    floor_caps,
+    floor_edge,
     kth_largest,
     score_keys,
 )
@@ -78,6 +80,44 @@ def test_kth_largest_is_exact_with_repeats():
             assert kth_largest(keys, k) == np.sort(keys)[::-1][k - 1]
 
 
+def test_floor_edge_is_a_floor_that_keeps_at_most_its_cap():
+    """The edge is at most the k-th largest key; it leaves at most ``cap`` keys, or it is the
+    k-th key itself (four rounds: ties or close keys crowd every bin)."""
+    rng = np.random.default_rng(1)
+    for n, spread in ((300, 3.0), (2000, 3.0), (2000, 0.001), (50, 0.0)):
+        keys = score_keys(-np.abs(rng.standard_normal(n) * spread).astype(np.float32))
+        want = np.sort(keys)[::-1]
+        for k in {1, n // 3, n}:
+            for cap in (0, k, k + 32, 2 * k, n):
+                edge, rounds = floor_edge(keys, k, cap)
+                assert 1 <= rounds <= 4
+                assert edge <= want[k - 1]
+                kept = int(np.count_nonzero(keys >= edge))
+                assert kept <= cap or (rounds == 4 and edge == want[k - 1])
+                if cap >= n:
+                    assert rounds == 1                  # the first bin's edge keeps them all
+
+
+def test_floor_caps():
+    assert floor_caps(256, 2048) == (288, 511)          # 2 ** 9 slots in the final sort
+    assert floor_caps(1024, 2048) == (1056, 2047)
+    assert floor_caps(40, 44) == (40, 63)               # no room: the cap is B
+    assert floor_caps(0, 2048) == (0 + 32, 0)
+
+
+def test_rises_take_fewer_rounds_on_the_benchmark_rows():
+    """On ``bench_build_tree``'s inputs (log-softmax of Gaussian logits, x 3) the floor's rises
+    stop at the first bins: two rounds a rise or fewer, where the exact select takes four."""
+    rng = np.random.default_rng(0)
+    for budget in (256, 1024):
+        x = (rng.standard_normal((15, budget + 16)) * 3).astype(np.float32)
+        lp, _ = ref.draft_topk(x[None], budget)
+        done, stats = same_as_reference(lp[0], budget, 2048)
+        assert done and stats["selects"] >= 1
+        # the exact select takes 4 rounds a rise, and there is one more rise at the end
+        assert stats["rounds"] <= 2 * (stats["selects"] + 1)
+
+
 # --- the kernel (the simulator's list holds 256 entries, a GPU's 2048) ----------------------
 def kernel_cases():
     """Inputs that overflow the simulator's list (both floor rises), that fall back (every
@@ -115,6 +155,10 @@ def test_kernel_cases_take_every_path():
         assert any(tree is None for tree, _ in stats)
         assert any(s["selects"] >= 2 for tree, s in stats if tree is not None)
         assert any(s["sorts"] >= 2 for tree, s in stats if tree is not None)
+        assert any(s["end"] for tree, s in stats if tree is not None)
+        # a rise that stopped at a bin's edge before the fourth round
+        assert any(s["rounds"] < 4 * (s["selects"] + s["end"]) for tree, s in stats
+                   if tree is not None and s["selects"])
 
 
 def test_kernel_bit_exact_on_every_path():

@@ -76,7 +76,7 @@ def test_make_block_reduce_takes_any_operator(seed):
 
 
 SCAN_CAP = 1024
-SORT_CAP = 2048
+SORT_CAP = 4096
 
 
 def make_scan_kernel(scan):
@@ -148,10 +148,14 @@ def test_block_inclusive_scan_every_block_size(T):
 
 
 @pytest.mark.parametrize("n,T", [(1, 32), (16, 32), (64, 32)] if K.SIMULATOR else
-                         [(1, 32), (16, 32), (32, 32), (64, 32), (8, 512), (256, 512),
-                          (512, 512), (1024, 1024), (2048, 1024), (128, 1024)])
+                         [(1, 32), (16, 32), (32, 32), (64, 32), (128, 32), (256, 32),
+                          (8, 512), (256, 512), (512, 512), (1024, 512), (2048, 512),
+                          (4096, 512), (1024, 1024), (2048, 1024), (4096, 1024),
+                          (128, 1024), (256, 96)])
 def test_bitonic_sort_desc_every_length(n, T):
-    """Lengths up to the block (registers and shuffles on a GPU) and past it (shared memory)."""
+    """Lengths up to the block (registers and shuffles on a GPU), up to four times the block
+    (four registers a thread) and past it or with a block that is not a power of two (shared
+    memory)."""
     check_sort(_sort_kernel, n, T)
 
 
@@ -167,10 +171,13 @@ def test_warp_shuffle_scan_on_emulated_shuffles(T):
 
 
 @pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated shuffles")
-@pytest.mark.parametrize("n,T", [(1, 32), (8, 32), (32, 32), (64, 64), (128, 64)])
+@pytest.mark.parametrize("n,T", [(1, 32), (8, 32), (32, 32), (64, 64), (128, 64), (256, 64),
+                                 (512, 64), (128, 96)])
 def test_gpu_bitonic_sort_on_emulated_shuffles(n, T):
     """Registers and shuffles up to the block's length (the steps of stride 32 and more through
-    shared memory at n = 64), the shared-memory network past it."""
+    shared memory at n = 64), four registers a thread up to four times it (128, 256 at T 64:
+    strides of 32 through shared memory, of T and 2 T in registers), the shared-memory
+    network past it or where T is not a power of two."""
     from simulated_warp import emulated_shuffles
 
     with emulated_shuffles():

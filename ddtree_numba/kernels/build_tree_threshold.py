@@ -21,11 +21,13 @@ alike by all, from block-wide sums):
    thread) now and stored to ``lp_row`` at the level's end: its latency overlaps the level.
 2. *Count*: thread ``t`` takes parents ``start + t``, ``start + t + T``, ...; a binary search
    over its row prefix of ``width = min(K, B // mult, B - d)`` ranks counts the children at or
-   above the floor into ``work[p - start]``; a block scan turns the counts into inclusive sums
-   (``M``, the level's total).
-3. *Overflow* (``n + M > CAPACITY``, the same decision in every thread): the floor rises to
-   the ``B``-th best key of the list (a radix select), the list is compacted, the children are
-   counted again; if they still do not fit, the same with the pending children included
+   above the floor; a block scan turns the counts into inclusive sums in ``work`` (``M``, the
+   level's total). Where the level has at most ``T`` parents (most levels), each thread scans
+   its one count from a register.
+3. *Overflow* (``n + M > CAPACITY``, the same decision in every thread): the floor rises
+   towards the ``B``-th best key of the list (a radix select), the list is compacted, the
+   children are counted again; if they still do not fit, the same with the pending children
+   included
    (each one scored again where the select reads it, never stored); if they still do not fit,
    ties crowd the list: ``num_nodes[b] = -1`` hands the request to the ``"levels"`` select,
    launched next (it returns at once for every other request).
@@ -33,16 +35,19 @@ alike by all, from block-wide sums):
    ``l``, ``l + 32``, ... of the parent: its child ``r`` is node ``n + (exclusive sum) + r``
    (no search; the row is read coalesced).
 
-**The end.** The floor rises to ``T``, the ``B``-th best score (if more than ``B`` non-root
-nodes are listed), the list is compacted, and the survivors are sorted by the 64-bit key
+**The end.** If more than ``2^ceil(log2(B + 1)) - 1`` non-root nodes are listed, the floor
+rises towards ``T``, the ``B``-th best score, so that the sort pads to no more slots than
+``B + 1`` nodes need; the list is compacted, and the survivors are sorted by the 64-bit key
 ``orderable(score) << 32 | ~((position of the parent + 1) << 12 | list index)`` (descending:
 score, then the earlier parent, then the earlier sibling), again with the positions found,
 until no two adjacent scores tie or the positions settle. Position ``j`` becomes node ``j``.
 
-**The radix select** of the ``k``-th largest key: four rounds of 8 bits, most significant
-first; a round zeroes a 256-bin histogram, counts the keys that match the digits found so far
-(shared ``atomic.add``), then one block scan over the bins (highest first) finds the bin that
-holds the ``k``-th key: 3 barriers and a pass over the keys a round.
+**The radix select** towards the ``k``-th largest key: up to four rounds of 8 bits, most
+significant first; a round zeroes a 256-bin histogram, counts the keys that match the digits
+found so far (shared ``atomic.add``), then one block scan over the bins (highest first) finds
+the bin that holds the ``k``-th key: 3 barriers and a pass over the keys a round. It stops
+after the first round whose bin edge leaves at most ``B`` + 32 keys during the levels (the
+model's ``floor_caps``), or ``2^ceil(log2(B + 1)) - 1`` at the end: the edge is a floor too.
 
 Shared memory (static): the list 22 528 B (``CAPACITY`` x 11 B), ``work`` 16 384 B, the row
 4 224 B, histogram 1 024 B, scan and flags under 100 B: 44.2 KB on a GPU (< 48 KB).
@@ -120,31 +125,52 @@ def _parent_of(sums, P, j):
 
 
 @cuda.jit(device=True, inline=True)
-def _count_children(score, mult, lp_row, work, scratch, start, n, d, K, B, floor, tid, T):
-    """Step 2: ``work[0:n - start]`` = the inclusive sums of the children at or above
-    ``floor`` of parents ``start .. n - 1``; returns their total ``M``."""
-    for p in range(start + tid, n, T):
-        width = min(K, B // int32(mult[p]), B - d)   # the ranks that can matter
-        s_p = score[p]
-        lo = uint32(0)
-        hi = uint32(max(width, 0))
-        while lo < hi:                                 # the first rank below the floor
-            mid = uint32((lo + hi) >> uint32(1))
-            if _score_key(s_p + lp_row[mid]) >= floor:
-                lo = uint32(mid + uint32(1))
-            else:
-                hi = mid
-        work[p - start] = uint64(lo)
-    cuda.syncthreads()                                 # counts in place
-    return _scan_in_place(work, n - start, scratch, tid, T)
+def _children_above(s_p, m_p, lp_row, d, K, B, floor):
+    """How many children of a parent (score ``s_p``, ``m(u) = m_p``, depth ``d``) score at or
+    above ``floor``: a binary search over the first ``min(K, B // m_p, B - d)`` ranks of
+    ``lp_row`` (those are a prefix: the scores fall with the rank)."""
+    width = min(K, B // m_p, B - d)                  # the ranks that can matter
+    lo = uint32(0)
+    hi = uint32(max(width, 0))
+    while lo < hi:                                   # the first rank below the floor
+        mid = uint32((lo + hi) >> uint32(1))
+        if _score_key(s_p + lp_row[mid]) >= floor:
+            lo = uint32(mid + uint32(1))
+        else:
+            hi = mid
+    return int32(lo)
 
 
 @cuda.jit(device=True, inline=True)
-def _kth_largest(k, score, n, with_children, work, start, M, lp_row, hist, scratch, found,
-                 tid, T):
-    """The ``k``-th largest key among the list's non-root nodes and, ``with_children``, the
-    level's ``M`` pending children (scored where they are read; ``work`` holds the sums).
-    Needs at least ``k`` of them. Every thread returns the same key."""
+def _count_children(score, mult, lp_row, work, scratch, start, n, d, K, B, floor, tid, T):
+    """Step 2: ``work[0:n - start]`` = the inclusive sums of the children at or above
+    ``floor`` of parents ``start .. n - 1``; returns their total ``M``. Ends with a barrier."""
+    P = n - start
+    if P <= T:                              # uniform: thread t counts parent start + t and
+        count = int32(0)                    # scans its count from a register
+        if tid < P:
+            count = _children_above(score[start + tid], int32(mult[start + tid]), lp_row, d,
+                                    K, B, floor)
+        inclusive, total = block_inclusive_scan(scratch, count, tid, T)   # ends with a barrier
+        if tid < P:
+            work[tid] = uint64(inclusive)
+        cuda.syncthreads()                  # the sums in place before anyone reads them
+        return int32(total)
+    for p in range(start + tid, n, T):
+        work[p - start] = uint64(_children_above(score[p], int32(mult[p]), lp_row, d, K, B,
+                                                 floor))
+    cuda.syncthreads()                      # counts in place
+    return _scan_in_place(work, P, scratch, tid, T)
+
+
+@cuda.jit(device=True, inline=True)
+def _floor_edge(k, cap, score, n, with_children, work, start, M, lp_row, hist, scratch, found,
+                tid, T):
+    """A floor at most the ``k``-th largest key among the list's non-root nodes and,
+    ``with_children``, the level's ``M`` pending children (scored where they are read;
+    ``work`` holds the sums), that leaves at most ``cap`` of those keys, or the ``k``-th key
+    itself (the model's ``floor_edge``). Needs at least ``k`` keys. Every thread returns the
+    same key."""
     prefix = uint32(0)
     need = int32(k)
     P = n - start
@@ -178,13 +204,17 @@ def _kth_largest(k, score, n, with_children, work, start, M, lp_row, hist, scrat
             count = hist[BINS - 1 - i]
             if before < need <= before + count:          # one thread, one bin
                 found[0] = int32(BINS - 1 - i)
-                found[1] = int32(need - before)
+                found[1] = int32(need - before)          # its rank within the bin
+                found[2] = int32(before + count)         # the round's keys in this bin or above
             before = int32(before + count)
         cuda.syncthreads()                  # the digit found before everyone reads it
         prefix |= uint32(found[0]) << shift
+        reached = int32(k - need + found[2])    # keys at or above the bin's lower edge
         need = found[1]
-        # (found is written again only after the next round's scan, whose barriers every
-        # thread reaches after reading it here)
+        # (found is written again only after the next round's scan, or the next call's,
+        # whose barriers every thread reaches after reading it here)
+        if reached <= cap:                  # uniform: the edge already keeps few enough
+            break
     return prefix
 
 
@@ -267,7 +297,7 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
     lp_row = cuda.shared.array(ROW, float32)       # lp[b, d, :min(K, B)]
     hist = cuda.shared.array(BINS, int32)
     scratch = cuda.shared.array(SCAN_SCRATCH, int32)
-    found = cuda.shared.array(2, int32)            # the radix select's digit and rank
+    found = cuda.shared.array(3, int32)            # the radix select's digit, rank, reach
     flags = cuda.shared.array(4, int32)            # the final sorts' "tie", "moved", by parity
     ahead = cuda.local.array(ROW_PER_THREAD, float32)
 
@@ -288,19 +318,26 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
     start = int32(0)                               # the first node of depth d
     floor = FINITE_FLOOR
     fallback = B + 1 > CAPACITY
+    # the most non-root nodes a floor rise leaves (the model's floor_caps): during the levels
+    # B and some room, at the end one less than the power of two the final sort pads to
+    mid_cap = B + min(32, max(0, CAPACITY - B - 1) // 4)
+    end_cap = int32(1)
+    while end_cap < B + 1:
+        end_cap *= 2
+    end_cap -= 1
     d = int32(0)
     # One pass a level, then one for the end. Every thread takes the same branches (the
     # decisions read only values that are alike in all of them), and each helper has one
     # call site: the kernel's code stays small enough for the instruction cache.
     while not fallback:
-        level = d < L and start < n                # False: the end, the floor at T
+        level = d < L and start < n                # False: the end
         if level:
             for q in range(ROW_PER_THREAD):        # 1. the next row, into registers
                 r = tid + q * T
                 ahead[q] = lp[b, d + 1, r] if d + 1 < L and r < width0 else float32(0.0)
         # 2. count; 3. while the level does not fit, raise the floor: from the list alone
         # (stage 0, if it holds B nodes), then with the pending children (stage 1). At the
-        # end, once from the list if it holds more than B nodes.
+        # end, once from the list if it holds more than end_cap nodes.
         stage = 0 if n - 1 >= B else 1
         while True:
             M = int32(0)
@@ -310,11 +347,12 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
             if level:
                 again = n + M > CAPACITY and stage < 2
             else:
-                again = n - 1 > B and stage == 0
+                again = n - 1 > end_cap and stage == 0
             if not again:
                 break
-            floor = max(floor, _kth_largest(B, score, n, level and stage == 1, work, start, M,
-                                            lp_row, hist, scratch, found, tid, T))
+            floor = max(floor, _floor_edge(B, mid_cap if level else end_cap, score, n,
+                                           level and stage == 1, work, start, M, lp_row,
+                                           hist, scratch, found, tid, T))
             n, start = _compact(floor, score, parent, rank, depth, mult, work, scratch, n,
                                 start, tid, T)
             stage += 1

@@ -36,19 +36,29 @@ level order (each parent's children consecutive, in rank order). Level ``d`` exp
 nodes of depth ``d`` (the list's tail) into their counted children. When the list would
 outgrow its ``capacity``:
 
-1. the floor rises to the ``B``-th best score of the list itself (if it holds ``B`` non-root
-   nodes), the list keeps only the nodes at or above it, and the children are counted again;
-2. if they still do not fit, the floor rises to the ``B``-th best score of the list *and* the
-   pending children together (a select over the children without storing them), and again;
+1. the floor rises towards the ``B``-th best score of the list itself (if it holds ``B``
+   non-root nodes), the list keeps only the nodes at or above it, and the children are
+   counted again;
+2. if they still do not fit, the floor rises towards the ``B``-th best score of the list
+   *and* the pending children together (a select over the children without storing them),
+   and again;
 3. if they still do not fit, ties at the floor crowd the list (e.g. rows of zeros, where every
    node scores 0): the model gives up (``None``) and the kernel hands the request to the
    ``"levels"`` select, which takes any input.
 
+*Towards*: a rise is a radix select of the ``B``-th best key, 8 bits a round, most significant
+first (:func:`floor_edge`). Each round finds the bin that holds that key; the bin's lower edge
+is already a floor (it is at most the key), and the select stops at the first round whose edge
+leaves at most a cap of nodes (:func:`floor_caps`: ``B`` plus up to 32), usually after one or
+two rounds instead of four. Where ties or close scores crowd the bins, it runs all four and
+the floor is the ``B``-th best key itself.
+
 Nothing the tree needs is ever dropped: a node leaves only when it scores below a floor, and
 a parent always scores at least its children, so the list stays closed under parents.
 
-**The order at the end.** The floor rises once more to the ``B``-th best score of the list.
-What is left (the root, every node above ``T``, and the ties at ``T``) is sorted by the key
+**The order at the end.** If the list holds more nodes than the final sort's power of two
+(:func:`floor_caps`), the floor rises once more, towards the ``B``-th best score of the list.
+What is left (the root, the tree, and nodes below it at or above the floor) is sorted by the key
 ``(-score, position of the parent, list index)`` (for siblings the list index is the rank
 order). The parent's position is what the sort computes, so the sort repeats with the
 positions it found until they no longer change; positions only matter between equal scores,
@@ -80,21 +90,51 @@ def score_keys(scores) -> np.ndarray:
 FINITE_FLOOR = int(score_keys([-np.inf])[0]) + 1
 
 
-def kth_largest(keys, k: int) -> int:
-    """The ``k``-th largest of ``keys`` (uint32, with repeats), as the kernel's radix select:
-    four rounds of 8 bits, most significant first."""
+def floor_edge(keys, k: int, cap: int) -> tuple[int, int]:
+    """A floor at most the ``k``-th largest of ``keys`` (uint32, with repeats), found by the
+    kernel's radix select: rounds of 8 bits, most significant first, each finding the bin that
+    holds the ``k``-th key among those that match the digits found so far. It stops at the first
+    round where the bin's lower edge (the digits so far, zeros below) leaves at most ``cap``
+    keys at or above it, and returns that edge; after four rounds the edge is the ``k``-th key
+    itself (``cap < k`` asks for it). Returns ``(edge, rounds)``.
+
+    Any key at most the ``k``-th largest is a floor (nothing below it is in the tree); a lower
+    one keeps more nodes, so the cap bounds what it keeps, and a rise that would take four
+    rounds takes one or two where the keys spread over many bins."""
     keys = np.asarray(keys, np.uint32)
-    prefix, need = 0, k
+    prefix, need, rounds = 0, k, 0
     for shift in (24, 16, 8, 0):
+        rounds += 1
         high = 0xFFFFFFFF ^ ((1 << (shift + 8)) - 1)       # the bits already decided
         alive = keys[(keys & high) == prefix]
         counts = np.bincount((alive >> shift) & 0xFF, minlength=256)
         above = np.cumsum(counts[::-1])                      # keys in bins 255, 255..254, ...
         i = int(np.searchsorted(above, need))                # first run that reaches `need`
         digit = 255 - i
+        reached = k - need + int(above[i])                   # keys at or above the bin's edge
         need -= int(above[i - 1]) if i > 0 else 0
         prefix |= digit << shift
-    return prefix
+        if reached <= cap:
+            break
+    return prefix, rounds
+
+
+def kth_largest(keys, k: int) -> int:
+    """The ``k``-th largest of ``keys`` (uint32, with repeats): :func:`floor_edge` run to its
+    fourth round."""
+    return floor_edge(keys, k, 0)[0]
+
+
+def floor_caps(budget: int, capacity: int) -> tuple[int, int]:
+    """``(mid, end)``: the most non-root nodes a floor rise may leave in the list during the
+    levels and at the end. During the levels a little above ``B`` (up to 32 more, and at most a
+    quarter of the room left), so that the levels after a rise have room to grow; at the end
+    one less than the power of two the final sort pads to (``n`` nodes, root included, sort in
+    ``2 ** ceil(log2 n)`` slots), so a rise there shrinks the sort, or is skipped."""
+    B = int(budget)
+    mid = B + min(32, max(0, capacity - B - 1) // 4)
+    end = (1 << B.bit_length()) - 1                          # 2 ** ceil(log2(B + 1)) - 1
+    return mid, end
 
 
 def best_first_by_threshold(lp: np.ndarray, budget: int, capacity: int = CAPACITY):
@@ -115,14 +155,17 @@ def best_first_by_threshold(lp: np.ndarray, budget: int, capacity: int = CAPACIT
         ``(tree, stats)``. ``tree``: the four lists of ``reference.best_first``
         (``parents, depths, ranks, scores``, the root first), or ``None`` where ties at the
         floor crowd the list (the kernel's fall-back). ``stats``: a dict with ``selects`` (the
-        floor's rises before the end), ``most`` (the most nodes the list held) and ``sorts``.
+        floor's rises before the end), ``end`` (whether it rose at the end), ``rounds`` (the
+        radix rounds of every rise, the end's included), ``most`` (the most nodes the list
+        held) and ``sorts``.
     """
     L, K = lp.shape
     B = int(budget)
     # the list: the root, then every node found at or above the floor, in level order
     score = [np.float32(0.0)]
     parent, rank, depth, mult = [-1], [-1], [0], [1]
-    stats = {"selects": 0, "most": 1, "sorts": 0}
+    stats = {"selects": 0, "end": False, "rounds": 0, "most": 1, "sorts": 0}
+    mid_cap, end_cap = floor_caps(B, capacity)
     floor = FINITE_FLOOR
     start = 0                                   # the first node of the depth being expanded
     if B + 1 > capacity:
@@ -138,10 +181,13 @@ def best_first_by_threshold(lp: np.ndarray, budget: int, capacity: int = CAPACIT
             out.append(int(np.count_nonzero(keys >= floor)))       # a prefix (keys fall)
         return out
 
-    def raise_floor(keys):
-        """The floor rises to the ``B``-th best of ``keys``; the list keeps what reaches it."""
+    def raise_floor(keys, cap):
+        """The floor rises to an edge at most the ``B``-th best of ``keys`` that leaves at
+        most ``cap`` of them (:func:`floor_edge`); the list keeps what reaches it."""
         nonlocal floor, start, score, parent, rank, depth, mult
-        floor = max(floor, kth_largest(keys, B))
+        edge, rounds = floor_edge(keys, B, cap)
+        floor = max(floor, edge)
+        stats["rounds"] += rounds
         keep = [0] + [i for i in range(1, len(score)) if score_keys(score[i])[0] >= floor]
         new = {old: i for i, old in enumerate(keep)}
         start = sum(1 for i in keep if i < start)
@@ -156,7 +202,7 @@ def best_first_by_threshold(lp: np.ndarray, budget: int, capacity: int = CAPACIT
         n = len(score)
         if n + sum(counts) > capacity and n - 1 >= B:
             stats["selects"] += 1               # 1. the B-th best of the list
-            raise_floor(score_keys(score[1:]))
+            raise_floor(score_keys(score[1:]), mid_cap)
             counts = counts_at(floor)
         n = len(score)
         if n + sum(counts) > capacity:
@@ -164,7 +210,7 @@ def best_first_by_threshold(lp: np.ndarray, budget: int, capacity: int = CAPACIT
             children = [np.float32(score[p]) + lp[d, :c]
                         for p, c in zip(range(start, n), counts, strict=True)]
             raise_floor(np.concatenate([score_keys(score[1:])]
-                                       + [score_keys(c) for c in children]))
+                                       + [score_keys(c) for c in children]), mid_cap)
             counts = counts_at(floor)
         n = len(score)
         if n + sum(counts) > capacity:          # 3. ties at the floor crowd the list
@@ -179,8 +225,9 @@ def best_first_by_threshold(lp: np.ndarray, budget: int, capacity: int = CAPACIT
         start = n
         stats["most"] = max(stats["most"], len(score))
 
-    if len(score) - 1 > B:                      # the floor at T: the tree and its ties
-        raise_floor(score_keys(score[1:]))
+    if len(score) - 1 > end_cap:                # a floor that shrinks the final sort
+        raise_floor(score_keys(score[1:]), end_cap)
+        stats["end"] = True
     n = len(score)
     keys = score_keys(score)
     pos = list(range(n))                        # any start: one sort is exact without ties
