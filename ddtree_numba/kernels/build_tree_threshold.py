@@ -108,6 +108,23 @@ def _scan_in_place(values, n, scratch, tid, T):
 
 
 @cuda.jit(device=True, inline=True)
+def _parent_of(sums, P, j):
+    """``(u, r)``: child ``j`` of a level is rank ``r`` of parent ``u`` (``u < P``), where
+    ``sums[0:P]`` are the inclusive sums of the parents' counts: the first ``u`` with
+    ``sums[u] > j`` (a binary search)."""
+    lo = uint32(0)                          # unsigned: 32-bit index math, no wrap check
+    hi = uint32(P - 1)
+    while lo < hi:
+        mid = uint32((lo + hi) >> uint32(1))
+        if int32(sums[mid]) > j:
+            hi = mid
+        else:
+            lo = uint32(mid + uint32(1))
+    before = int32(sums[uint32(lo - uint32(1))]) if lo > uint32(0) else int32(0)
+    return int32(lo), int32(j - before)
+
+
+@cuda.jit(device=True, inline=True)
 def _children_above(s_p, m_p, lp_row, d, K, B, floor):
     """How many children of a parent (score ``s_p``, ``m(u) = m_p``, depth ``d``) score at or
     above ``floor``: a binary search over the first ``min(K, B // m_p, B - d)`` ranks of
@@ -147,13 +164,13 @@ def _count_children(score, mult, lp_row, work, scratch, start, n, d, K, B, floor
 
 
 @cuda.jit(device=True, inline=True)
-def _floor_edge(k, cap, score, n, with_children, work, start, lp_row, hist, scratch, found,
+def _floor_edge(k, cap, score, n, with_children, work, start, M, lp_row, hist, scratch, found,
                 tid, T):
     """A floor at most the ``k``-th largest key among the list's non-root nodes and,
-    ``with_children``, the level's pending children (scored where they are read, laid out
-    as the expansion lays them: ``work`` holds the sums), that leaves at most ``cap`` of those
-    keys, or the ``k``-th key itself (the model's ``floor_edge``). Needs at least ``k`` keys.
-    Every thread returns the same key."""
+    ``with_children``, the level's ``M`` pending children (scored where they are read;
+    ``work`` holds the sums), that leaves at most ``cap`` of those keys, or the ``k``-th key
+    itself (the model's ``floor_edge``). Needs at least ``k`` keys. Every thread returns the
+    same key."""
     prefix = uint32(0)
     need = int32(k)
     P = n - start
@@ -167,14 +184,12 @@ def _floor_edge(k, cap, score, n, with_children, work, start, lp_row, hist, scra
             key = _score_key(score[i])
             if key & decided == prefix:
                 cuda.atomic.add(hist, int32((key >> shift) & uint32(0xFF)), 1)
-        if with_children:                   # as the expansion lays them out: warp w takes
-            for u in range(tid >> 5, P, T >> 5):    # parents w, w + T / 32, ...; lane l its
-                first = int32(work[u - 1]) if u > 0 else int32(0)   # ranks l, l + 32, ...
-                s_u = score[start + u]
-                for r in range(tid & 31, int32(work[u]) - first, 32):
-                    key = _score_key(s_u + lp_row[r])
-                    if key & decided == prefix:
-                        cuda.atomic.add(hist, int32((key >> shift) & uint32(0xFF)), 1)
+        if with_children:
+            for j in range(tid, M, T):
+                u, r = _parent_of(work, P, j)
+                key = _score_key(score[start + u] + lp_row[r])
+                if key & decided == prefix:
+                    cuda.atomic.add(hist, int32((key >> shift) & uint32(0xFF)), 1)
         cuda.syncthreads()                  # every key counted
         # the bin holding the k-th key: inclusive sums over the bins from the highest down
         span = (BINS + T - 1) // T
@@ -336,7 +351,7 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
             if not again:
                 break
             floor = max(floor, _floor_edge(B, mid_cap if level else end_cap, score, n,
-                                           level and stage == 1, work, start, lp_row,
+                                           level and stage == 1, work, start, M, lp_row,
                                            hist, scratch, found, tid, T))
             n, start = _compact(floor, score, parent, rank, depth, mult, work, scratch, n,
                                 start, tid, T)
