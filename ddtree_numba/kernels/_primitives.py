@@ -420,6 +420,27 @@ def _exchange_in_shared(keys, x, i, n, stride, size):
 
 
 @cuda.jit(device=True, inline=True)
+def _store_four(keys, n, i0, i1, i2, i3, x0, x1, x2, x3):
+    """A thread's four elements (indices ``i0 < i1 < i2 < i3``, ``i0 < n``) into ``keys``,
+    those below ``n``."""
+    keys[i0] = x0
+    if i1 < n:
+        keys[i1] = x1
+    if i2 < n:
+        keys[i2] = x2
+    if i3 < n:
+        keys[i3] = x3
+
+
+@cuda.jit(device=True, inline=True)
+def _shuffle_step(x, i, stride, size):
+    """One step of a stride below 32 for element ``i`` (value ``x``): its partner is the same
+    register of lane ``tid ^ stride``. Every lane of the warp calls it (full mask); numba
+    shuffles signed 64-bit values, so the bits go as int64 and come back."""
+    return _keep(x, uint64(cuda.shfl_xor_sync(FULL_MASK, int64(x), stride)), i, stride, size)
+
+
+@cuda.jit(device=True, inline=True)
 def _bitonic_sort_in_registers_x4(keys, n, tid, T):
     """The network for ``T < n <= 4 T``: thread ``t`` holds elements ``t``, ``t + T``,
     ``t + 2 T``, ``t + 3 T`` in four registers (``x0 .. x3``; dummies past ``n``). A step of
@@ -449,13 +470,7 @@ def _bitonic_sort_in_registers_x4(keys, n, tid, T):
                     x0, x2 = _keep(x0, x2, i0, stride, size), _keep(x2, x0, i2, stride, size)
                     x1, x3 = _keep(x1, x3, i1, stride, size), _keep(x3, x1, i3, stride, size)
             elif stride >= 32:              # partner in another warp: through shared memory
-                keys[i0] = x0
-                if i1 < n:
-                    keys[i1] = x1
-                if i2 < n:
-                    keys[i2] = x2
-                if i3 < n:
-                    keys[i3] = x3
+                _store_four(keys, n, i0, i1, i2, i3, x0, x1, x2, x3)
                 cuda.syncthreads()          # every element in place
                 x0 = _exchange_in_shared(keys, x0, i0, n, stride, size)
                 x1 = _exchange_in_shared(keys, x1, i1, n, stride, size)
@@ -463,23 +478,13 @@ def _bitonic_sort_in_registers_x4(keys, n, tid, T):
                 x3 = _exchange_in_shared(keys, x3, i3, n, stride, size)
                 cuda.syncthreads()          # every partner read before the next write
             else:                           # partner in this warp: a shuffle per register
-                x0 = _keep(x0, uint64(cuda.shfl_xor_sync(FULL_MASK, int64(x0), stride)), i0,
-                           stride, size)
-                x1 = _keep(x1, uint64(cuda.shfl_xor_sync(FULL_MASK, int64(x1), stride)), i1,
-                           stride, size)
-                x2 = _keep(x2, uint64(cuda.shfl_xor_sync(FULL_MASK, int64(x2), stride)), i2,
-                           stride, size)
-                x3 = _keep(x3, uint64(cuda.shfl_xor_sync(FULL_MASK, int64(x3), stride)), i3,
-                           stride, size)
+                x0 = _shuffle_step(x0, i0, stride, size)
+                x1 = _shuffle_step(x1, i1, stride, size)
+                x2 = _shuffle_step(x2, i2, stride, size)
+                x3 = _shuffle_step(x3, i3, stride, size)
             stride //= 2
         size *= 2
-    keys[i0] = x0
-    if i1 < n:
-        keys[i1] = x1
-    if i2 < n:
-        keys[i2] = x2
-    if i3 < n:
-        keys[i3] = x3
+    _store_four(keys, n, i0, i1, i2, i3, x0, x1, x2, x3)
     cuda.syncthreads()                      # the sorted keys in place
 
 
