@@ -246,6 +246,28 @@ def test_kernel_accepts_device_arrays_and_fills_preallocated_outputs():
     assert_trees_equal(got, want)
 
 
+@pytest.mark.parametrize("head", [0, 1, 3, 5, 7])
+@pytest.mark.parametrize("budget", [0, 1, 2, 3, 6, 40])
+def test_finish_writes_the_mask_in_words_from_any_alignment(head, budget):
+    """The finish kernel writes the bool mask eight bytes a store from the first 8-byte
+    aligned address on, and the bytes before and after alone: a mask that starts ``head``
+    bytes past an aligned address is exact, and the bytes around it are untouched (runs of
+    1 byte a block at budget 0, runs shorter than a word, rows that end inside a word)."""
+    from numba import cuda
+
+    lp, ids, roots, _, prefix = random_tree_inputs(np.random.default_rng(10 + budget), bs=3,
+                                                   budget=budget)
+    want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
+    bs, N = lp.shape[0], budget + 1
+    raw = cuda.to_device(np.full(bs * N * N + 8, 0xAB, np.uint8))   # guard bytes around it
+    mask = raw[head:head + bs * N * N].view(np.bool_).reshape(bs, N, N)
+    out = dataclasses.replace(K.allocate_tree(bs, N), visibility=mask)
+    got = K.build_tree(lp, ids, roots, budget, prefix_lens=prefix, out=out)
+    assert_trees_equal(got, want)
+    around = raw.copy_to_host()
+    assert (around[:head] == 0xAB).all() and (around[head + bs * N * N:] == 0xAB).all()
+
+
 def test_kernel_refuses_preallocated_buffers_it_would_write_past():
     """The kernels index without bounds checks: an ``out`` tree or a ``scratch`` whose shape
     or dtype is not what a launch writes is refused before any launch, naming the buffer."""
@@ -267,6 +289,10 @@ def test_kernel_refuses_preallocated_buffers_it_would_write_past():
         K.build_tree(lp, ids, roots, budget, out=wrong)
     with pytest.raises(TypeError, match="out: expected a DraftTree"):
         K.build_tree(lp, ids, roots, budget, out=(good,))
+    strided = dataclasses.replace(
+        good, visibility=cuda.device_array((bs, N, 2 * N), np.bool_)[:, :, ::2])
+    with pytest.raises(ValueError, match="out.visibility: expected a C-contiguous buffer"):
+        K.build_tree(lp, ids, roots, budget, out=strided)
     with pytest.raises(ValueError, match=r"scratch: expected int32\[3, 41\]"):
         K.build_tree(lp, ids, roots, budget, scratch=cuda.device_array((bs, N - 1), np.int32))
 

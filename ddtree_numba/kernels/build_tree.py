@@ -68,8 +68,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, int16, int32, uint32
+from numba import cuda, float32, int16, int32, int64, uint8, uint32, uint64
 
+from ..arrays import array_info, data_address
 from ..contracts import DraftTree
 from ..limits import MAX_DEPTH, MAX_NODES, MAX_WORDS, ceil_words
 from ..validation import check_build_tree, require_buffer
@@ -81,6 +82,7 @@ GROUP = NODE_CAPACITY // 32         # nodes owned by one lane in the warp tourna
 LP_CACHE = 4096                     # float32 log-probs staged in shared memory per request
 SELECT_THREADS = 128                # warp variant: 1 warp pops, 4 warps set up and write out
 FINISH_ROWS = 32                    # tree rows per block of the finish kernel
+ROW_WORDS = MAX_WORDS + 1           # its words a row: one zero word past the last (_mask_word)
 #: From this budget on, the default GPU select is ``"threshold"`` (no pops), below it
 #: ``"corners"`` (one pop at a time over the frontier's corners). On the H200
 #: (``benchmarks/NOTES.md``) the corners pops win at budgets 64 and 128 at every batch size;
@@ -334,9 +336,53 @@ def write_node_table(b, tid, count, parent_s, depth_s, score, first_child, next_
 # ------------------------------------------------------------------------------------------
 # Finish: tokens, positions and the ancestor masks, 32 rows per block (both variants)
 # ------------------------------------------------------------------------------------------
+@cuda.jit(device=True, inline=True)
+def _spread_nibble(nibble):
+    """Bit ``k`` of a 4-bit value to bit ``8 k``: four bytes of 0 or 1, little-endian. The
+    product holds copies of the nibble shifted by 0, 7, 14 and 21 bits (they do not overlap,
+    so nothing carries); the mask keeps bit ``k`` of the copy shifted by ``7 k``."""
+    return (nibble * uint32(0x00204081)) & uint32(0x01010101)
+
+
+@cuda.jit(device=True, inline=True)
+def _mask_word(bits_s, r, c, N):
+    """Eight bytes of the bool mask as one little-endian ``uint64``: columns ``c .. c + 7`` of
+    the block's row ``r`` (``bits_s[r]`` holds the row's bits), running on into the next rows
+    past column ``N - 1``. Byte ``k`` is 1 where the column's bit is set, else 0."""
+    if c + uint32(7) < N:
+        # the usual case, one row: bits c .. c + 7 lie in words w and w + 1 of it (w + 1 is
+        # at most the zero word past the row's last, so it is always there to read)
+        w = c >> uint32(5)
+        pair = (uint64(bits_s[r, w + uint32(1)]) << uint64(32)) | uint64(bits_s[r, w])
+        eight = uint32(pair >> uint64(c & uint32(31))) & uint32(0xFF)
+        return ((uint64(_spread_nibble(eight >> uint32(4))) << uint64(32))
+                | uint64(_spread_nibble(eight & uint32(0xF))))
+    # the word runs into the next row (or rows, where N < 8): column by column
+    word = uint64(0)
+    rr = r
+    cc = c
+    for k in range(8):
+        while cc >= N:
+            cc = uint32(cc - N)
+            rr = uint32(rr + uint32(1))
+        bit = (bits_s[rr, cc >> uint32(5)] >> (cc & uint32(31))) & uint32(1)
+        word |= uint64(bit) << uint64(8 * k)
+        cc = uint32(cc + uint32(1))
+    return word
+
+
+@cuda.jit(device=True, inline=True)
+def _mask_byte(bits_s, local, N):
+    """Byte ``local`` of the block's share of the bool mask (row ``local // N``)."""
+    r = uint32(local) // N
+    c = uint32(local) - r * N
+    return uint8((bits_s[r, c >> uint32(5)] >> (c & uint32(31))) & uint32(1))
+
+
 @cuda.jit
 def _finish_kernel(top_token_ids, root_token_ids, prefix_lens, has_prefix, parents, depths,
-                   ranks, num_nodes, token_ids, positions, visibility_bits, visibility):
+                   ranks, num_nodes, token_ids, positions, visibility_bits, mask_bytes,
+                   mask_words, head):
     """Grid ``(ceil(N / FINISH_ROWS), bs)``, block ``(FINISH_THREADS,)`` (128 on a GPU, 32
     simulated).
 
@@ -345,9 +391,18 @@ def _finish_kernel(top_token_ids, root_token_ids, prefix_lens, has_prefix, paren
     from a shared copy of the request's parent array. Thread ``r < 32`` walks row ``i0 + r``
     once and sets bit ``a % 32`` of word ``a // 32`` for each node ``a`` on the way; the words
     are then written out as they are (``visibility_bits``) and unpacked a byte per column
-    (``visibility``). The loops are row by row, so no index is ever divided (a 64-bit integer
-    division costs about 70 instructions: the first version divided a flat index by ``N`` per
-    mask byte and spent 332 us on the masks of bs 64, budget 1 024).
+    into the bool mask ``visibility``, which the launcher passes flat twice: ``mask_bytes``
+    (``uint8[bs N N]``) and ``mask_words`` (``uint64``, word ``q`` = bytes ``head + 8 q ..
+    head + 8 q + 7``, ``head`` the bytes before the first 8-byte aligned address). The
+    block's rows are one contiguous run of ``rows * N`` bytes of the flat mask, so it writes
+    them as whole words, eight columns a store, and the at most seven bytes at each end of
+    the run alone.
+
+    The loops are row by row or word by word, with one division each at their entry, so
+    no index is divided inside a loop (a 64-bit integer division costs about 70
+    instructions: the first version divided a flat index by ``N`` per mask byte and spent
+    332 us on the masks of bs 64, budget 1 024; the next stored one byte a thread and a
+    step, 133 us there).
     """
     b = cuda.blockIdx.y
     i0 = cuda.blockIdx.x * FINISH_ROWS
@@ -360,7 +415,7 @@ def _finish_kernel(top_token_ids, root_token_ids, prefix_lens, has_prefix, paren
     W = visibility_bits.shape[2]
     n = num_nodes[b]
     parent_s = cuda.shared.array(NODE_CAPACITY, int32)
-    bits_s = cuda.shared.array((FINISH_ROWS, MAX_WORDS), uint32)
+    bits_s = cuda.shared.array((FINISH_ROWS, ROW_WORDS), uint32)
 
     for i in range(tid, n, threads):         # 1. the request's parents, once
         parent_s[i] = parents[b, i]
@@ -379,7 +434,7 @@ def _finish_kernel(top_token_ids, root_token_ids, prefix_lens, has_prefix, paren
     cuda.syncthreads()                              # parent_s complete before the walks
 
     if tid < FINISH_ROWS:                           # 3. thread r walks row i0 + r
-        for w in range(W):                          #    (it alone touches bits_s[r, :])
+        for w in range(W + 1):                      #    (it alone touches bits_s[r, :])
             bits_s[tid, w] = uint32(0)
         a = i0 + tid
         if a < n:
@@ -393,11 +448,41 @@ def _finish_kernel(top_token_ids, root_token_ids, prefix_lens, has_prefix, paren
         if i < N:
             for w in range(lane, W, 32):
                 visibility_bits[b, i, w] = bits_s[row, w]
-    for row in range(FINISH_ROWS):                  # 5. bool mask: the block per row,
-        i = i0 + row                                #    coalesced in j
-        if i < N:
-            for j in range(tid, N, threads):
-                visibility[b, i, j] = ((bits_s[row, j >> 5] >> uint32(j & 31)) & 1) != 0
+
+    # 5. the bool mask. The block's rows are bytes [first, end) of the flat mask; the
+    #    words inside that run are q_lo .. q_hi - 1, the bytes before and after them (at
+    #    most seven each) are written one by one
+    rows = min(FINISH_ROWS, N - i0)
+    first = (int64(b) * N + i0) * N                 # flat byte of (b, i0, 0)
+    end = first + rows * N
+    q_lo = (first - head + 7) // 8                  # the first word at or after first
+    q_hi = max(q_lo, (end - head) // 8)             # one past the last word before end
+    n_u = uint32(N)
+    if q_hi > q_lo:                                 # uniform: the same in every thread
+        # thread t takes words q_lo + t, q_lo + t + threads, ...: 8 * threads bytes apart,
+        # i.e. dr rows and dc columns further each step (one division, here); the word's
+        # index is unsigned (numba wraps a signed index that could be negative)
+        local = uint32(head + 8 * (q_lo + tid) - first)   # its first word's byte in the run
+        r = local // n_u
+        c = local - r * n_u
+        dr = uint32(8 * threads) // n_u
+        dc = uint32(8 * threads) - dr * n_u
+        for q in range(uint64(q_lo + tid), uint64(q_hi), uint64(threads)):
+            mask_words[q] = _mask_word(bits_s, r, c, n_u)
+            r += dr
+            c += dc
+            if c >= n_u:
+                c -= n_u
+                r += uint32(1)
+        lead_end = head + 8 * q_lo                  # bytes [first, lead_end) and
+        tail = head + 8 * q_hi                      # [tail, end)
+    else:                                           # a run too short for a word
+        lead_end = end
+        tail = end
+    for g in range(first + tid, lead_end, threads):
+        mask_bytes[g] = _mask_byte(bits_s, g - first, n_u)
+    for g in range(tail + tid, end, threads):
+        mask_bytes[g] = _mask_byte(bits_s, g - first, n_u)
 
 
 # ------------------------------------------------------------------------------------------
@@ -432,6 +517,9 @@ def checked_tree(out, bs: int, N: int) -> DraftTree:
         raise TypeError(f"out: expected a DraftTree (allocate_tree), got {type(out).__name__}")
     for name, (dtype, shape) in _tree_layout(bs, N).items():
         require_buffer(f"out.{name}", getattr(out, name), dtype, shape, "allocate_tree")
+        if not array_info(f"out.{name}", getattr(out, name)).c_contiguous:   # mask_views
+            raise ValueError(f"out.{name}: expected a C-contiguous buffer (allocate_tree), "
+                             "got a strided view")
     return out
 
 
@@ -465,7 +553,8 @@ def build_tree(top_log_probs, top_token_ids, root_token_ids, budget, *, prefix_l
         the select level by level (:mod:`~ddtree_numba.kernels.build_tree_levels`).
     out : DraftTree, optional
         Preallocated device buffers (:func:`~ddtree_numba.kernels.allocate_tree`) to fill,
-        e.g. for graph capture; a buffer of another shape or dtype is refused (ValueError).
+        e.g. for graph capture; a buffer of another shape or dtype, or a strided one, is
+        refused (ValueError).
     scratch : device array, optional
         ``int32[bs, N]`` for the rank of each node; allocated when omitted.
 
@@ -546,9 +635,22 @@ def launch_finish(top_token_ids, root_token_ids, prefix, has_prefix, tree: Draft
     """Launch the finish kernel alone (validated device inputs; used by the benchmarks)."""
     bs, N = tree.parents.shape
     grid = (math.ceil(N / FINISH_ROWS), bs)
+    mask_bytes, mask_words, head = mask_views(tree.visibility)
     launch(_finish_kernel, grid, FINISH_THREADS, launch_stream())(
         top_token_ids, root_token_ids, prefix, has_prefix, tree.parents, tree.depths, ranks,
-        tree.num_nodes, tree.token_ids, tree.positions, tree.visibility_bits, tree.visibility)
+        tree.num_nodes, tree.token_ids, tree.positions, tree.visibility_bits, mask_bytes,
+        mask_words, head)
+
+
+def mask_views(visibility):
+    """The bool mask ``visibility`` (C-contiguous ``[bs, N, N]``) flat, twice: as bytes and as
+    the ``uint64`` words from its first 8-byte aligned address on; and ``head``, the bytes
+    before that address (0 for a buffer of :func:`allocate_tree`)."""
+    mask = as_device(visibility)
+    flat = mask.reshape(mask.size).view(np.uint8)
+    head = (-data_address(flat)) % 8
+    n_words = max(0, (flat.size - head) // 8)
+    return flat, flat[head:head + 8 * n_words].view(np.uint64), head
 
 
 def build_specs():
@@ -564,7 +666,7 @@ def build_specs():
     select = (types.float32[:, :, ::1], types.int64, i2, i2, types.float32[:, ::1], i2, i2, i2,
               i1)
     finish = (i3, i1, i1, types.boolean, i2, i2, i2, i1, i2, i2, types.uint32[:, :, ::1],
-              types.boolean[:, :, ::1])
+              types.uint8[::1], types.uint64[::1], types.int64)
     return [
         KernelSpec("build_tree", "select scan", _select_scan_kernel, select, 1, False),
         KernelSpec("build_tree", "select warp", _select_warp_kernel, select, SELECT_THREADS, True),
