@@ -701,14 +701,18 @@ def kv_cache_dims(kv_cache) -> tuple:
     return dims
 
 
-def require_buffer(name: str, a, dtype, shape, made_by: str):
+def require_buffer(name: str, a, dtype, shape, made_by: str, *, contiguous: bool = False):
     """An output or scratch buffer a kernel writes without bounds checks: ``a`` must be
-    ``dtype`` of exactly ``shape`` (a smaller one would be written out of bounds), else a
-    ``ValueError`` naming it and what makes the right one (``made_by``)."""
+    ``dtype`` of exactly ``shape`` (a smaller one would be written out of bounds), and with
+    ``contiguous`` C-contiguous (a launcher that views it flat), else a ``ValueError`` naming
+    it and what makes the right one (``made_by``)."""
     info = array_info(name, a)
     if info.shape != tuple(shape) or info.dtype != np.dtype(dtype):
         raise ValueError(f"{name}: expected {np.dtype(dtype).name}{list(shape)} ({made_by}), "
                          f"got {describe(info)}")
+    if contiguous and not info.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous buffer ({made_by}), got strided "
+                         f"{describe(info)}")
 
 
 def require_new_lengths(name: str, out, prefix_lens, bs: int):

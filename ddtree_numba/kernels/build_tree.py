@@ -70,7 +70,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int16, int32, int64, uint8, uint32, uint64
 
-from ..arrays import array_info, data_address
+from ..arrays import data_address
 from ..contracts import DraftTree
 from ..limits import MAX_DEPTH, MAX_NODES, MAX_WORDS, ceil_words
 from ..validation import check_build_tree, require_buffer
@@ -345,6 +345,12 @@ def _spread_nibble(nibble):
 
 
 @cuda.jit(device=True, inline=True)
+def _mask_bit(bits_s, r, c):
+    """Column ``c`` of the block's row ``r``: 1 if set in ``bits_s[r]``, else 0 (``uint32``)."""
+    return (bits_s[r, c >> uint32(5)] >> (c & uint32(31))) & uint32(1)
+
+
+@cuda.jit(device=True, inline=True)
 def _mask_word(bits_s, r, c, N):
     """Eight bytes of the bool mask as one little-endian ``uint64``: columns ``c .. c + 7`` of
     the block's row ``r`` (``bits_s[r]`` holds the row's bits), running on into the next rows
@@ -365,8 +371,7 @@ def _mask_word(bits_s, r, c, N):
         while cc >= N:
             cc = uint32(cc - N)
             rr = uint32(rr + uint32(1))
-        bit = (bits_s[rr, cc >> uint32(5)] >> (cc & uint32(31))) & uint32(1)
-        word |= uint64(bit) << uint64(8 * k)
+        word |= uint64(_mask_bit(bits_s, rr, cc)) << uint64(8 * k)
         cc = uint32(cc + uint32(1))
     return word
 
@@ -376,7 +381,7 @@ def _mask_byte(bits_s, local, N):
     """Byte ``local`` of the block's share of the bool mask (row ``local // N``)."""
     r = uint32(local) // N
     c = uint32(local) - r * N
-    return uint8((bits_s[r, c >> uint32(5)] >> (c & uint32(31))) & uint32(1))
+    return uint8(_mask_bit(bits_s, r, c))
 
 
 @cuda.jit
@@ -516,10 +521,8 @@ def checked_tree(out, bs: int, N: int) -> DraftTree:
     if not isinstance(out, DraftTree):
         raise TypeError(f"out: expected a DraftTree (allocate_tree), got {type(out).__name__}")
     for name, (dtype, shape) in _tree_layout(bs, N).items():
-        require_buffer(f"out.{name}", getattr(out, name), dtype, shape, "allocate_tree")
-        if not array_info(f"out.{name}", getattr(out, name)).c_contiguous:   # mask_views
-            raise ValueError(f"out.{name}: expected a C-contiguous buffer (allocate_tree), "
-                             "got a strided view")
+        require_buffer(f"out.{name}", getattr(out, name), dtype, shape, "allocate_tree",
+                       contiguous=True)                 # (mask_views flattens the mask)
     return out
 
 

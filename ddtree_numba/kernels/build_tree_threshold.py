@@ -27,10 +27,9 @@ alike by all, from block-wide sums):
 3. *Overflow* (``n + M > CAPACITY``, the same decision in every thread): the floor rises
    towards the ``B``-th best key of the list (a radix select), the list is compacted, the
    children are counted again; if they still do not fit, the same with the pending children
-   included
-   (each one scored again where the select reads it, never stored); if they still do not fit,
-   ties crowd the list: ``num_nodes[b] = -1`` hands the request to the ``"levels"`` select,
-   launched next (it returns at once for every other request).
+   included (each one scored again where the select reads it, never stored); if they still do
+   not fit, ties crowd the list: ``num_nodes[b] = -1`` hands the request to the ``"levels"``
+   select, launched next (it returns at once for every other request).
 4. *Expand*: warp ``w`` takes parents ``w``, ``w + T / 32``, ...; lane ``l`` writes ranks
    ``l``, ``l + 32``, ... of the parent: its child ``r`` is node ``n + (exclusive sum) + r``
    (no search; the row is read coalesced).
