@@ -246,13 +246,17 @@ def test_kernel_accepts_device_arrays_and_fills_preallocated_outputs():
     assert_trees_equal(got, want)
 
 
-@pytest.mark.parametrize("head", [0, 1, 3, 5, 7])
-@pytest.mark.parametrize("budget", [0, 1, 2, 3, 6, 40])
-def test_finish_writes_the_mask_in_words_from_any_alignment(head, budget):
-    """The finish kernel writes the bool mask eight bytes a store from the first 8-byte
-    aligned address on, and the bytes before and after alone: a mask that starts ``head``
-    bytes past an aligned address is exact, and the bytes around it are untouched (runs of
-    1 byte a block at budget 0, runs shorter than a word, rows that end inside a word)."""
+@pytest.mark.parametrize("variant,head,budget", [
+    *((None, head, budget) for head in (0, 1, 3, 5, 7) for budget in (0, 1, 2, 3, 6, 40, 70)),
+    *((variant, head, budget) for variant in ("levels", "threshold") for head in (0, 5)
+      for budget in (0, 1, 6, 70))])
+def test_finish_writes_the_mask_in_words_from_any_alignment(variant, head, budget):
+    """The finish writes the bool mask eight bytes a store from the first 8-byte aligned
+    address on, and the bytes before and after alone: a mask that starts ``head`` bytes past
+    an aligned address is exact, and the bytes around it are untouched (runs of 1 byte a
+    block at budget 0, runs shorter than a word, rows that end inside a word, words that run
+    from one row into the next), after the default select and after the levels and threshold
+    selects."""
     from numba import cuda
 
     lp, ids, roots, _, prefix = random_tree_inputs(np.random.default_rng(10 + budget), bs=3,
@@ -262,7 +266,7 @@ def test_finish_writes_the_mask_in_words_from_any_alignment(head, budget):
     raw = cuda.to_device(np.full(bs * N * N + 8, 0xAB, np.uint8))   # guard bytes around it
     mask = raw[head:head + bs * N * N].view(np.bool_).reshape(bs, N, N)
     out = dataclasses.replace(K.allocate_tree(bs, N), visibility=mask)
-    got = K.build_tree(lp, ids, roots, budget, prefix_lens=prefix, out=out)
+    got = K.build_tree(lp, ids, roots, budget, prefix_lens=prefix, out=out, variant=variant)
     assert_trees_equal(got, want)
     around = raw.copy_to_host()
     assert (around[:head] == 0xAB).all() and (around[head + bs * N * N:] == 0xAB).all()

@@ -15,6 +15,7 @@ Launches (one batch, no host synchronisation, no per-request Python loop)::
     select kernel   grid (bs,)                  one request per block: the sequential pops
     finish kernel   grid (ceil(N / 32), bs)     32 tree rows per block: tokens, positions,
                                                 visibility_bits, visibility, in parallel
+                                                (:mod:`ddtree_numba.kernels.build_tree_finish`)
 
 Select, variant ``"scan"`` (readable; the simulator path): one thread per request; each pop
 scans ``cand[0:count]`` for the arg-max, ``O(count)`` per pop and ``O(B^2)`` per tree.
@@ -65,31 +66,30 @@ Shared memory of the warp variant (static, per block)::
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
-from numba import cuda, float32, int16, int32, int64, uint8, uint32, uint64
+from numba import cuda, float32, int16, int32, uint32
 
-from ..arrays import data_address
 from ..contracts import DraftTree
-from ..limits import MAX_DEPTH, MAX_NODES, MAX_WORDS, ceil_words
+from ..limits import MAX_DEPTH, MAX_NODES, ceil_words
 from ..validation import check_build_tree, require_buffer
 from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream, resolve_variant
 from ._primitives import FULL_MASK, float_of_key, key_of_float, warp_max_u32
+from .build_tree_finish import (
+    FINISH_THREADS,
+    _finish_kernel,
+    launch_finish,
+)
 
 NODE_CAPACITY = MAX_NODES           # 1056 = 32 lanes x 33 nodes
 GROUP = NODE_CAPACITY // 32         # nodes owned by one lane in the warp tournament (33)
 LP_CACHE = 4096                     # float32 log-probs staged in shared memory per request
 SELECT_THREADS = 128                # warp variant: 1 warp pops, 4 warps set up and write out
-FINISH_ROWS = 32                    # tree rows per block of the finish kernel
-ROW_WORDS = MAX_WORDS + 1           # its words a row: one zero word past the last (_mask_word)
 #: From this budget on, the default GPU select is ``"threshold"`` (no pops), below it
 #: ``"corners"`` (one pop at a time over the frontier's corners). On the H200
 #: (``benchmarks/NOTES.md``) the corners pops win at budgets 64 and 128 at every batch size;
 #: the threshold select wins at 1 024 (about 2x) and at 256 for bs 1 and 8 (38 % and 15 %;
 #: at bs 64 it is 2 % slower there).
 THRESHOLD_FROM_BUDGET = 256
-FINISH_THREADS = 32 if SIMULATOR else 128   # the simulator runs one Python thread per thread
 NEG_INF = float32(-np.inf)
 
 
@@ -334,163 +334,6 @@ def write_node_table(b, tid, count, parent_s, depth_s, score, first_child, next_
 
 
 # ------------------------------------------------------------------------------------------
-# Finish: tokens, positions and the ancestor masks, 32 rows per block (both variants)
-# ------------------------------------------------------------------------------------------
-@cuda.jit(device=True, inline=True)
-def _spread_nibble(nibble):
-    """Bit ``k`` of a 4-bit value to bit ``8 k``: four bytes of 0 or 1, little-endian. The
-    product holds copies of the nibble shifted by 0, 7, 14 and 21 bits (they do not overlap,
-    so nothing carries); the mask keeps bit ``k`` of the copy shifted by ``7 k``."""
-    return (nibble * uint32(0x00204081)) & uint32(0x01010101)
-
-
-@cuda.jit(device=True, inline=True)
-def _mask_bit(bits_s, r, c):
-    """Column ``c`` of the block's row ``r``: 1 if set in ``bits_s[r]``, else 0 (``uint32``)."""
-    return (bits_s[r, c >> uint32(5)] >> (c & uint32(31))) & uint32(1)
-
-
-@cuda.jit(device=True, inline=True)
-def _mask_word(bits_s, r, c, N):
-    """Eight bytes of the bool mask as one little-endian ``uint64``: columns ``c .. c + 7`` of
-    the block's row ``r`` (``bits_s[r]`` holds the row's bits), running on into the next rows
-    past column ``N - 1``. Byte ``k`` is 1 where the column's bit is set, else 0."""
-    if c + uint32(7) < N:
-        # the usual case, one row: bits c .. c + 7 lie in words w and w + 1 of it (w + 1 is
-        # at most the zero word past the row's last, so it is always there to read)
-        w = c >> uint32(5)
-        pair = (uint64(bits_s[r, w + uint32(1)]) << uint64(32)) | uint64(bits_s[r, w])
-        eight = uint32(pair >> uint64(c & uint32(31))) & uint32(0xFF)
-        return ((uint64(_spread_nibble(eight >> uint32(4))) << uint64(32))
-                | uint64(_spread_nibble(eight & uint32(0xF))))
-    # the word runs into the next row (or rows, where N < 8): column by column
-    word = uint64(0)
-    rr = r
-    cc = c
-    for k in range(8):
-        while cc >= N:
-            cc = uint32(cc - N)
-            rr = uint32(rr + uint32(1))
-        word |= uint64(_mask_bit(bits_s, rr, cc)) << uint64(8 * k)
-        cc = uint32(cc + uint32(1))
-    return word
-
-
-@cuda.jit(device=True, inline=True)
-def _mask_byte(bits_s, local, N):
-    """Byte ``local`` of the block's share of the bool mask (row ``local // N``)."""
-    r = uint32(local) // N
-    c = uint32(local) - r * N
-    return uint8(_mask_bit(bits_s, r, c))
-
-
-@cuda.jit
-def _finish_kernel(top_token_ids, root_token_ids, prefix_lens, has_prefix, parents, depths,
-                   ranks, num_nodes, token_ids, positions, visibility_bits, mask_bytes,
-                   mask_words, head):
-    """Grid ``(ceil(N / FINISH_ROWS), bs)``, block ``(FINISH_THREADS,)`` (128 on a GPU, 32
-    simulated).
-
-    Rows ``i0 .. i0 + 31`` of request ``b``. Row ``i``'s ancestor set (``i`` and every node on
-    its path to the root, at most ``MAX_DEPTH + 1`` of them) is one walk up ``parents``, read
-    from a shared copy of the request's parent array. Thread ``r < 32`` walks row ``i0 + r``
-    once and sets bit ``a % 32`` of word ``a // 32`` for each node ``a`` on the way; the words
-    are then written out as they are (``visibility_bits``) and unpacked a byte per column
-    into the bool mask ``visibility``, which the launcher passes flat twice: ``mask_bytes``
-    (``uint8[bs N N]``) and ``mask_words`` (``uint64``, word ``q`` = bytes ``head + 8 q ..
-    head + 8 q + 7``, ``head`` the bytes before the first 8-byte aligned address). The
-    block's rows are one contiguous run of ``rows * N`` bytes of the flat mask, so it writes
-    them as whole words, eight columns a store, and the at most seven bytes at each end of
-    the run alone.
-
-    The loops are row by row or word by word, with one division each at their entry, so
-    no index is divided inside a loop (a 64-bit integer division costs about 70
-    instructions: the first version divided a flat index by ``N`` per mask byte and spent
-    332 us on the masks of bs 64, budget 1 024; the next stored one byte a thread and a
-    step, 133 us there).
-    """
-    b = cuda.blockIdx.y
-    i0 = cuda.blockIdx.x * FINISH_ROWS
-    tid = cuda.threadIdx.x
-    threads = FINISH_THREADS                # a constant: no division to set up a loop
-    lane = tid % 32
-    warp = tid // 32
-    warps = threads // 32
-    N = parents.shape[1]
-    W = visibility_bits.shape[2]
-    n = num_nodes[b]
-    parent_s = cuda.shared.array(NODE_CAPACITY, int32)
-    bits_s = cuda.shared.array((FINISH_ROWS, ROW_WORDS), uint32)
-
-    for i in range(tid, n, threads):         # 1. the request's parents, once
-        parent_s[i] = parents[b, i]
-    if tid < FINISH_ROWS and i0 + tid < N:         # 2. token and RoPE position per row
-        i = i0 + tid
-        if i == 0:
-            token_ids[b, 0] = root_token_ids[b]
-        elif i < n:
-            token_ids[b, i] = top_token_ids[b, depths[b, i] - 1, ranks[b, i]]
-        else:
-            token_ids[b, i] = -1
-        if i < n:
-            positions[b, i] = depths[b, i] + (prefix_lens[b] if has_prefix else 0)
-        else:
-            positions[b, i] = -1
-    cuda.syncthreads()                              # parent_s complete before the walks
-
-    if tid < FINISH_ROWS:                           # 3. thread r walks row i0 + r
-        for w in range(W + 1):                      #    (it alone touches bits_s[r, :])
-            bits_s[tid, w] = uint32(0)
-        a = i0 + tid
-        if a < n:
-            while a >= 0:                           # i, parent(i), ..., root (0 -> -1)
-                bits_s[tid, a >> 5] |= uint32(1) << uint32(a & 31)
-                a = parent_s[a]
-    cuda.syncthreads()                              # every row's words complete
-
-    for row in range(warp, FINISH_ROWS, warps):     # 4. packed words: a warp per row
-        i = i0 + row
-        if i < N:
-            for w in range(lane, W, 32):
-                visibility_bits[b, i, w] = bits_s[row, w]
-
-    # 5. the bool mask. The block's rows are bytes [first, end) of the flat mask; the
-    #    words inside that run are q_lo .. q_hi - 1, the bytes before and after them (at
-    #    most seven each) are written one by one
-    rows = min(FINISH_ROWS, N - i0)
-    first = (int64(b) * N + i0) * N                 # flat byte of (b, i0, 0)
-    end = first + rows * N
-    q_lo = (first - head + 7) // 8                  # the first word at or after first
-    q_hi = max(q_lo, (end - head) // 8)             # one past the last word before end
-    n_u = uint32(N)
-    if q_hi > q_lo:                                 # uniform: the same in every thread
-        # thread t takes words q_lo + t, q_lo + t + threads, ...: 8 * threads bytes apart,
-        # i.e. dr rows and dc columns further each step (one division, here); the word's
-        # index is unsigned (numba wraps a signed index that could be negative)
-        local = uint32(head + 8 * (q_lo + tid) - first)   # its first word's byte in the run
-        r = local // n_u
-        c = local - r * n_u
-        dr = uint32(8 * threads) // n_u
-        dc = uint32(8 * threads) - dr * n_u
-        for q in range(uint64(q_lo + tid), uint64(q_hi), uint64(threads)):
-            mask_words[q] = _mask_word(bits_s, r, c, n_u)
-            r += dr
-            c += dc
-            if c >= n_u:
-                c -= n_u
-                r += uint32(1)
-        lead_end = head + 8 * q_lo                  # bytes [first, lead_end) and
-        tail = head + 8 * q_hi                      # [tail, end)
-    else:                                           # a run too short for a word
-        lead_end = end
-        tail = end
-    for g in range(first + tid, lead_end, threads):
-        mask_bytes[g] = _mask_byte(bits_s, g - first, n_u)
-    for g in range(tail + tid, end, threads):
-        mask_bytes[g] = _mask_byte(bits_s, g - first, n_u)
-
-
-# ------------------------------------------------------------------------------------------
 # Launcher
 # ------------------------------------------------------------------------------------------
 def _tree_layout(bs: int, N: int) -> dict:
@@ -619,41 +462,18 @@ def launch_select(variant: str, lp, budget: int, tree: DraftTree, ranks) -> None
     elif variant == "levels":
         from .build_tree_levels import LEVEL_THREADS, _select_levels_kernel
 
-        launch(_select_levels_kernel, bs, LEVEL_THREADS, launch_stream())(lp, budget,
-                                                                           *node_table, False)
+        launch(_select_levels_kernel, bs, LEVEL_THREADS, launch_stream())(
+            lp, budget, *node_table, False)
     elif variant == "threshold":
         from .build_tree_levels import LEVEL_THREADS, _select_levels_kernel
         from .build_tree_threshold import THREADS, _select_threshold_kernel
 
         launch(_select_threshold_kernel, bs, THREADS, launch_stream())(lp, budget, *node_table)
         # the requests whose ties crowded the list (num_nodes[b] == -1), by the levels select
-        launch(_select_levels_kernel, bs, LEVEL_THREADS, launch_stream())(lp, budget,
-                                                                           *node_table, True)
+        launch(_select_levels_kernel, bs, LEVEL_THREADS, launch_stream())(
+            lp, budget, *node_table, True)
     else:
         launch(_select_scan_kernel, bs, 1, launch_stream())(lp, budget, *node_table)
-
-
-def launch_finish(top_token_ids, root_token_ids, prefix, has_prefix, tree: DraftTree,
-                  ranks) -> None:
-    """Launch the finish kernel alone (validated device inputs; used by the benchmarks)."""
-    bs, N = tree.parents.shape
-    grid = (math.ceil(N / FINISH_ROWS), bs)
-    mask_bytes, mask_words, head = mask_views(tree.visibility)
-    launch(_finish_kernel, grid, FINISH_THREADS, launch_stream())(
-        top_token_ids, root_token_ids, prefix, has_prefix, tree.parents, tree.depths, ranks,
-        tree.num_nodes, tree.token_ids, tree.positions, tree.visibility_bits, mask_bytes,
-        mask_words, head)
-
-
-def mask_views(visibility):
-    """The bool mask ``visibility`` (C-contiguous ``[bs, N, N]``) flat, twice: as bytes and as
-    the ``uint64`` words from its first 8-byte aligned address on; and ``head``, the bytes
-    before that address (0 for a buffer of :func:`allocate_tree`)."""
-    mask = as_device(visibility)
-    flat = mask.reshape(mask.size).view(np.uint8)
-    head = (-data_address(flat)) % 8
-    n_words = max(0, (flat.size - head) // 8)
-    return flat, flat[head:head + 8 * n_words].view(np.uint64), head
 
 
 def build_specs():
@@ -668,8 +488,10 @@ def build_specs():
     i1, i2, i3 = types.int32[::1], types.int32[:, ::1], types.int32[:, :, ::1]
     select = (types.float32[:, :, ::1], types.int64, i2, i2, types.float32[:, ::1], i2, i2, i2,
               i1)
-    finish = (i3, i1, i1, types.boolean, i2, i2, i2, i1, i2, i2, types.uint32[:, :, ::1],
-              types.uint8[::1], types.uint64[::1], types.int64)
+    inputs = (i3, i1, i1, types.boolean)             # top_token_ids, roots, prefix, has_prefix
+    outputs = (i2, i2, types.uint32[:, :, ::1], types.uint8[::1], types.uint64[::1],
+               types.int64)                          # finish_outputs
+    finish = (*inputs, i2, i2, i2, i1, *outputs)
     return [
         KernelSpec("build_tree", "select scan", _select_scan_kernel, select, 1, False),
         KernelSpec("build_tree", "select warp", _select_warp_kernel, select, SELECT_THREADS, True),

@@ -1,0 +1,261 @@
+"""``build_tree``'s finish: each row's token, RoPE position and ancestor masks.
+
+Row ``i`` of a tree (node ``i``) sees itself and every node on its path to the root, at most
+``MAX_DEPTH + 1`` nodes: one walk up the parents finds them. The finish writes that set twice,
+as packed bits (``visibility_bits[b, i, w]``: bit ``a % 32`` of word ``a // 32`` for each node
+``a`` on the path) and as the bool mask (``visibility[b, i, a]``), and the row's token and
+position. Rows past the tree's ``n`` nodes are padding: no bits, token and position ``-1``.
+
+One launch after any select, grid ``(ceil(N / FINISH_ROWS), bs)``: a block takes
+``FINISH_ROWS`` consecutive rows ``i0 .. i0 + rows - 1`` of one request and reads that
+request's parents once into shared memory.
+
+**Row bits in shared memory.** Row ``r`` of the block is ``row_words = ceil(N / 64)``
+``uint64`` words at ``bits[r * row_words]``, bit ``a % 64`` of word ``a // 64`` set for node
+``a``. A thread walks a row alone (``walk_rows``); after a barrier the block writes its rows
+(``write_rows``): the packed words a warp per row, and the bool mask as ``uint64`` words, eight
+columns a store. The block's rows are one contiguous run of bytes of the flat ``[bs, N, N]``
+mask, which the launcher passes twice: ``mask_bytes`` (``uint8[bs N N]``) and ``mask_words``
+(``uint64``, word ``q`` = bytes ``head + 8 q .. head + 8 q + 7``, ``head`` the bytes before
+the first 8-byte aligned address); the at most seven bytes at each end of a run go one by one.
+
+Why a launch of its own, when the threshold and levels selects hold the whole tree in shared
+memory already: folded into their block (one pass of all rows, the row bits in their free
+``work`` array) it was *slower* on the H200 at budget 256 (77.6 us against 70.1 at bs 1, 83.6
+against 80.9 at bs 8, even at bs 64): one block issues the mask's ~40 instructions a word
+alone, where this kernel spreads the rows over many SMs (``benchmarks/NOTES.md``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, int32, int64, uint8, uint32, uint64
+
+from ..arrays import data_address
+from ..limits import MAX_NODES
+from ._device import SIMULATOR, as_device, launch, launch_stream
+
+FINISH_ROWS = 32                    # tree rows per block of the finish kernel
+FINISH_THREADS = 32 if SIMULATOR else 128   # the simulator runs one Python thread per thread
+ROW_WORDS_MAX = -(-MAX_NODES // 64)         # uint64 words of the widest row (17)
+FINISH_WORDS = FINISH_ROWS * ROW_WORDS_MAX  # the finish kernel's row bits (4 352 B)
+LOW = uint64(0xFFFFFFFF)
+
+
+@cuda.jit(device=True, inline=True)
+def row_words_of(N):
+    """``ceil(N / 64)``: the ``uint64`` words of one row's bits in shared memory."""
+    return (uint32(N) + uint32(63)) >> uint32(6)
+
+
+@cuda.jit(device=True, inline=True)
+def write_token_and_position(b, i, n, depth, rank, top_token_ids, root_token_ids,
+                             prefix_lens, has_prefix, token_ids, positions):
+    """Row ``i``'s token (the root's, else ``top_token_ids[b, depth - 1, rank]``) and position
+    (``depth``, plus ``prefix_lens[b]`` when ``has_prefix``); both ``-1`` past the ``n``
+    nodes."""
+    if i == 0:
+        token_ids[b, 0] = root_token_ids[b]
+    elif i < n:
+        token_ids[b, i] = top_token_ids[b, depth - 1, rank]
+    else:
+        token_ids[b, i] = -1
+    if i < n:
+        positions[b, i] = depth + (prefix_lens[b] if has_prefix else 0)
+    else:
+        positions[b, i] = -1
+
+
+@cuda.jit(device=True, inline=True)
+def walk_rows(bits, row_words, i0, rows, n, node_parent, tid, threads):
+    """The bits of rows ``i0 .. i0 + rows - 1``: thread ``t`` takes the block's rows ``t, t +
+    threads, ...`` (it alone writes their words), zeroes the row's ``row_words`` words, then
+    sets the bit of each node on the path ``i, parent(i), ..., 0`` (``node_parent``: the
+    parent of each of the ``n`` nodes, ``-1`` for the root). No barrier."""
+    for r in range(tid, rows, threads):
+        base = uint32(r) * row_words
+        for w in range(row_words):
+            bits[base + w] = uint64(0)
+        a = int32(i0 + r)
+        if a < n:
+            while a >= 0:                   # i, parent(i), ..., root (0 -> -1)
+                bits[base + uint32(a >> 6)] |= uint64(1) << uint64(a & 63)
+                a = int32(node_parent[a])
+
+
+@cuda.jit(device=True, inline=True)
+def _spread_nibble(nibble):
+    """Bit ``k`` of a 4-bit value to bit ``8 k``: four bytes of 0 or 1, little-endian. The
+    product holds copies of the nibble shifted by 0, 7, 14 and 21 bits (they do not overlap,
+    so nothing carries); the mask keeps bit ``k`` of the copy shifted by ``7 k``."""
+    return (nibble * uint32(0x00204081)) & uint32(0x01010101)
+
+
+@cuda.jit(device=True, inline=True)
+def _mask_bit(bits, row_words, r, c):
+    """Column ``c`` of the block's row ``r``: 1 if its bit is set, else 0 (``uint32``)."""
+    word = bits[uint32(r * row_words + (c >> uint32(6)))]
+    return uint32((word >> uint64(c & uint32(63))) & uint64(1))
+
+
+@cuda.jit(device=True, inline=True)
+def _mask_word(bits, row_words, r, c, N):
+    """Eight bytes of the bool mask as one little-endian ``uint64``: columns ``c .. c + 7`` of
+    the block's row ``r``, running on into the next rows past column ``N - 1``. Byte ``k`` is 1
+    where the column's bit is set, else 0."""
+    if N >= uint32(8):                      # uniform: at most two rows in a word
+        # the k_in columns c .. c + k_in - 1 of row r: bits s .. s + k_in - 1 of its word w,
+        # and of word w + 1 where they cross a word's end (then w + 1 is inside the row)
+        k_in = min(N - c, uint32(8))
+        w = r * row_words + (c >> uint32(6))
+        s = c & uint32(63)
+        window = bits[w] >> uint64(s)
+        if s + k_in > uint32(64):
+            window |= bits[w + uint32(1)] << uint64(uint32(64) - s)
+        eight = uint32(window & ((uint64(1) << uint64(k_in)) - uint64(1)))
+        if k_in < uint32(8):                # the rest: the first columns of row r + 1
+            rest = uint32(bits[(r + uint32(1)) * row_words] & uint64(0xFF))
+            eight |= (rest << k_in) & uint32(0xFF)
+        return ((uint64(_spread_nibble(eight >> uint32(4))) << uint64(32))
+                | uint64(_spread_nibble(eight & uint32(0xF))))
+    # N < 8: a word can span three rows or more; column by column
+    word = uint64(0)
+    rr = r
+    cc = c
+    for k in range(8):
+        while cc >= N:
+            cc = uint32(cc - N)
+            rr = uint32(rr + uint32(1))
+        word |= uint64(_mask_bit(bits, row_words, rr, cc)) << uint64(8 * k)
+        cc = uint32(cc + uint32(1))
+    return word
+
+
+@cuda.jit(device=True, inline=True)
+def _mask_byte(bits, row_words, local, N):
+    """Byte ``local`` of the block's share of the bool mask (row ``local // N``)."""
+    r = uint32(local) // N
+    c = uint32(local) - r * N
+    return uint8(_mask_bit(bits, row_words, r, c))
+
+
+@cuda.jit(device=True, inline=True)
+def write_rows(b, i0, rows, bits, row_words, tid, threads, visibility_bits, mask_bytes,
+               mask_words, head):
+    """Rows ``i0 .. i0 + rows - 1`` of request ``b``'s packed bits and bool mask, from the
+    block's row bits (:func:`walk_rows`), by a block of ``threads`` threads (a multiple of 32).
+    No barrier."""
+    N = visibility_bits.shape[1]
+    W = visibility_bits.shape[2]
+    lane = tid % 32
+    warps = threads // 32
+    # 1. packed uint32 words: a warp per row, a lane per word (word w is half of uint64 w // 2)
+    for r in range(tid // 32, rows, warps):
+        base = uint32(r) * row_words
+        for w in range(lane, W, 32):
+            half = bits[base + uint32(w >> 1)] >> uint64(32 * (w & 1))
+            visibility_bits[b, i0 + r, w] = uint32(half & LOW)
+
+    # 2. the bool mask. The block's rows are bytes [first, end) of the flat mask; the words
+    #    inside that run are q_lo .. q_hi - 1, the bytes before and after them (at most
+    #    seven each) are written one by one
+    first = (int64(b) * N + i0) * N                 # flat byte of (b, i0, 0)
+    end = first + rows * N
+    q_lo = (first - head + 7) // 8                  # the first word at or after first
+    q_hi = max(q_lo, (end - head) // 8)             # one past the last word before end
+    n_u = uint32(N)
+    if q_hi > q_lo:                                 # uniform: the same in every thread
+        # thread t takes words q_lo + t, q_lo + t + threads, ...: 8 * threads bytes apart,
+        # i.e. dr rows and dc columns further each step (one division, here); the word's
+        # index is unsigned (numba wraps a signed index that could be negative)
+        local = uint32(head + 8 * (q_lo + tid) - first)   # its first word's byte in the run
+        r = local // n_u
+        c = local - r * n_u
+        dr = uint32(8 * threads) // n_u
+        dc = uint32(8 * threads) - dr * n_u
+        for q in range(uint64(q_lo + tid), uint64(q_hi), uint64(threads)):
+            mask_words[q] = _mask_word(bits, row_words, r, c, n_u)
+            r += dr
+            c += dc
+            if c >= n_u:
+                c -= n_u
+                r += uint32(1)
+        lead_end = head + 8 * q_lo                  # bytes [first, lead_end) and
+        tail = head + 8 * q_hi                      # [tail, end)
+    else:                                           # a run too short for a word
+        lead_end = end
+        tail = end
+    for g in range(first + tid, lead_end, threads):
+        mask_bytes[g] = _mask_byte(bits, row_words, g - first, n_u)
+    for g in range(tail + tid, end, threads):
+        mask_bytes[g] = _mask_byte(bits, row_words, g - first, n_u)
+
+
+@cuda.jit
+def _finish_kernel(top_token_ids, root_token_ids, prefix_lens, has_prefix, parents, depths,
+                   ranks, num_nodes, token_ids, positions, visibility_bits, mask_bytes,
+                   mask_words, head):
+    """Grid ``(ceil(N / FINISH_ROWS), bs)``, block ``(FINISH_THREADS,)`` (128 on a GPU, 32
+    simulated): rows ``i0 .. i0 + 31`` of request ``b``, after the select wrote its node
+    table. One pass of :func:`walk_rows` and :func:`write_rows`, the parents read once into
+    shared memory.
+
+    The loops are row by row or word by word, with one division each at their entry, and
+    stride by the constant ``FINISH_THREADS``, so no index is divided inside a loop (a 64-bit
+    integer division costs about 70 instructions: the first version divided a flat index by
+    ``N`` per mask byte and spent 332 us on the masks of bs 64, budget 1 024; the next stored
+    one byte a thread and a step, 133 us there).
+    """
+    b = cuda.blockIdx.y
+    i0 = cuda.blockIdx.x * FINISH_ROWS
+    tid = cuda.threadIdx.x
+    N = parents.shape[1]
+    n = num_nodes[b]
+    parent_s = cuda.shared.array(MAX_NODES, int32)
+    bits = cuda.shared.array(FINISH_WORDS, uint64)
+
+    for i in range(tid, n, FINISH_THREADS):         # 1. the request's parents, once
+        parent_s[i] = parents[b, i]
+    if tid < FINISH_ROWS and i0 + tid < N:          # 2. token and RoPE position per row
+        i = i0 + tid
+        write_token_and_position(b, i, n, depths[b, i], ranks[b, i], top_token_ids,
+                                 root_token_ids, prefix_lens, has_prefix, token_ids, positions)
+    cuda.syncthreads()                              # parent_s complete before the walks
+
+    rows = min(FINISH_ROWS, N - i0)
+    row_words = row_words_of(N)
+    walk_rows(bits, row_words, i0, rows, n, parent_s, tid, FINISH_THREADS)   # 3. the bits
+    cuda.syncthreads()                              # every row's words complete
+    write_rows(b, i0, rows, bits, row_words, tid, FINISH_THREADS, visibility_bits,  # 4. out
+               mask_bytes, mask_words, head)
+
+
+def mask_views(visibility):
+    """The bool mask ``visibility`` (C-contiguous ``[bs, N, N]``) flat, twice: as bytes and as
+    the ``uint64`` words from its first 8-byte aligned address on; and ``head``, the bytes
+    before that address (0 for a buffer of ``allocate_tree``)."""
+    mask = as_device(visibility)
+    flat = mask.reshape(mask.size).view(np.uint8)
+    head = (-data_address(flat)) % 8
+    n_words = max(0, (flat.size - head) // 8)
+    return flat, flat[head:head + 8 * n_words].view(np.uint64), head
+
+
+def finish_outputs(tree):
+    """The arguments a kernel that writes a tree's rows takes after the inputs: ``token_ids,
+    positions, visibility_bits, mask_bytes, mask_words, head``."""
+    mask_bytes, mask_words, head = mask_views(tree.visibility)
+    return (tree.token_ids, tree.positions, tree.visibility_bits, mask_bytes, mask_words,
+            head)
+
+
+def launch_finish(top_token_ids, root_token_ids, prefix, has_prefix, tree, ranks) -> None:
+    """Launch the finish kernel alone (validated device inputs; used by ``build_tree`` after
+    the pop selects and by the benchmarks)."""
+    bs, N = tree.parents.shape
+    grid = (math.ceil(N / FINISH_ROWS), bs)
+    launch(_finish_kernel, grid, FINISH_THREADS, launch_stream())(
+        top_token_ids, root_token_ids, prefix, has_prefix, tree.parents, tree.depths, ranks,
+        tree.num_nodes, *finish_outputs(tree))
