@@ -33,16 +33,9 @@ def pytest_report_header(config):
 # worker is handed one test at a time instead (``--maxschedchunk 1``: each keeps one test
 # queued behind the one it runs), so idle workers take the next test. Replaying the measured
 # durations of a 16-worker run on the H200: about 560 s before, 430 s this way.
-#
-# Tests marked ``xdist_group`` run on one worker: pytest-xdist's ``loadgroup`` instead of its
-# default ``load`` (set here, not in pyproject's addopts, so that pytest without xdist still
-# runs). The build report's module fixture, minutes of compiling, then runs once, not once a
-# worker that happens to get one of its tests. Other tests are still handed out one by one.
 def pytest_configure(config):
     if not config.pluginmanager.hasplugin("xdist"):
         return
-    if getattr(config.option, "dist", None) == "load":
-        config.option.dist = "loadgroup"
     if ON_GPU and not config.option.maxschedchunk:
         config.option.maxschedchunk = 1
 

@@ -371,7 +371,8 @@ def checked_tree(out, bs: int, N: int) -> DraftTree:
 
 def build_tree(top_log_probs, top_token_ids, root_token_ids, budget, *, prefix_lens=None,
                check=None, variant=None, out=None, scratch=None) -> DraftTree:
-    """Build one best-first draft tree per request on the GPU (two launches, no sync).
+    """Build one best-first draft tree per request on the GPU (a select, then the finish;
+    the threshold select adds its fall-back's launch; no sync).
 
     Parameters
     ----------

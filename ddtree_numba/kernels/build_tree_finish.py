@@ -20,10 +20,11 @@ mask, which the launcher passes twice: ``mask_bytes`` (``uint8[bs N N]``) and ``
 the first 8-byte aligned address); the at most seven bytes at each end of a run go one by one.
 
 Why a launch of its own, when the threshold and levels selects hold the whole tree in shared
-memory already: folded into their block (one pass of all rows, the row bits in their free
-``work`` array) it was *slower* on the H200 at budget 256 (77.6 us against 70.1 at bs 1, 83.6
-against 80.9 at bs 8, even at bs 64): one block issues the mask's ~40 instructions a word
-alone, where this kernel spreads the rows over many SMs (``benchmarks/NOTES.md``).
+memory already: folded into their block (at budget 256 one pass of all rows, the row bits in
+the array the select no longer needs) it was *slower* on the H200 (77.6 us against 70.1 at
+bs 1, 83.6 against 80.9 at bs 8, and a tie at bs 64, 99.2 against 100.1): one block issues the
+mask's ~40 instructions a word alone, where this kernel spreads the rows over many SMs
+(``benchmarks/NOTES.md``).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def _mask_word(bits, row_words, r, c, N):
             eight |= (rest << k_in) & uint32(0xFF)
         return ((uint64(_spread_nibble(eight >> uint32(4))) << uint64(32))
                 | uint64(_spread_nibble(eight & uint32(0xF))))
-    # N < 8: a word can span three rows or more; column by column
+    # N < 8 (a word can span three rows where N <= 6): column by column
     word = uint64(0)
     rr = r
     cc = c
@@ -198,15 +199,16 @@ def _finish_kernel(top_token_ids, root_token_ids, prefix_lens, has_prefix, paren
                    ranks, num_nodes, token_ids, positions, visibility_bits, mask_bytes,
                    mask_words, head):
     """Grid ``(ceil(N / FINISH_ROWS), bs)``, block ``(FINISH_THREADS,)`` (128 on a GPU, 32
-    simulated): rows ``i0 .. i0 + 31`` of request ``b``, after the select wrote its node
-    table. One pass of :func:`walk_rows` and :func:`write_rows`, the parents read once into
-    shared memory.
+    simulated): rows ``i0 .. i0 + rows - 1`` (32, fewer in the last block) of request ``b``,
+    after the select wrote its node table. One pass of :func:`walk_rows` and
+    :func:`write_rows`, the parents read once into shared memory.
 
     The loops are row by row or word by word, with one division each at their entry, and
-    stride by the constant ``FINISH_THREADS``, so no index is divided inside a loop (a 64-bit
-    integer division costs about 70 instructions: the first version divided a flat index by
-    ``N`` per mask byte and spent 332 us on the masks of bs 64, budget 1 024; the next stored
-    one byte a thread and a step, 133 us there).
+    stride by the constant ``FINISH_THREADS``, so no index is divided inside a loop (bar the
+    at most 14 edge bytes, a 32-bit division each). A 64-bit integer division costs about 70
+    instructions: the first version divided a flat index by ``N`` per mask byte and spent
+    332 us on the masks of bs 64, budget 1 024; the next stored one byte a thread and a step,
+    133 us there.
     """
     b = cuda.blockIdx.y
     i0 = cuda.blockIdx.x * FINISH_ROWS
