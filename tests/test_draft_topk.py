@@ -506,3 +506,55 @@ def test_the_default_takes_the_one_pass_kernel_where_it_was_measured_faster():
     assert not filtered_pays(1, 32000, 256)                     # V / k = 125
     assert filtered_pays(1, FILTER_MIN_V_PER_K * 16, 16)
     assert not filtered_pays(1, FILTER_MIN_V_PER_K * 16 - 1, 16)
+
+
+def _orderable(x):
+    """The kernels' orderable key of float32 ``x``: larger float, larger key."""
+    b = np.asarray(x, np.float32).view(np.uint32)
+    return np.where(b >> 31, ~b, b | np.uint32(0x80000000)).astype(np.uint32)
+
+
+@pytest.mark.parametrize("parts, k", [(1, 1), (3, 1), (2, 5), (8, 16), (5, 128), (2, 256),
+                                      (8, 256), (64, 16)])
+def test_merge_of_the_parts_sorted_lists(parts, k):
+    """``merge_parts`` alone (the merge kernel): the best ``k`` of the parts' lists, ties of
+    key broken by id, and the row's log-sum-exp from the parts' ``(max, sum)``; lists shorter
+    than ``k`` (padded with key 0) and parts whose max is -inf. Rounds whose steps wait for a
+    warp only (``k <= 64``) and for the block (``k >= 128``), and 64 parts (two a lane in the
+    log-sum-exp)."""
+    from numba import cuda
+
+    from ddtree_numba.kernels.draft_topk import TOPK_THREADS, _merge_kernel
+
+    rng = np.random.default_rng(parts * 1000 + k)
+    rows = 2
+    part_keys = np.zeros((rows, parts, k), np.uint64)
+    part_max = np.full((rows, parts), -np.inf, np.float32)
+    part_sum = np.zeros((rows, parts), np.float32)
+    want_ids, want_x = [], []
+    for row in range(rows):
+        ids = rng.permutation(100_000)[: parts * k].astype(np.int64)
+        x = np.round(rng.standard_normal(parts * k) * 2, 1).astype(np.float32)  # key ties
+        keep = rng.random(parts * k) < 0.8                     # shorter lists, some empty
+        keep[: k] = True                                       # at least k keys in the row
+        rng.shuffle(keep)
+        packed = (_orderable(x).astype(np.uint64) << np.uint64(32)) | (
+            np.uint64(0xFFFFFFFF) - ids.astype(np.uint64))
+        for p in range(parts):
+            mine = np.arange(p * k, (p + 1) * k)[keep[p * k:(p + 1) * k]]
+            if mine.size:
+                part_keys[row, p, : mine.size] = np.sort(packed[mine])[::-1]
+                part_max[row, p] = x[mine].max()
+                part_sum[row, p] = np.exp(x[mine] - x[mine].max()).sum()
+        best = np.sort(packed[keep])[::-1][:k]
+        want_ids.append((np.uint64(0xFFFFFFFF) - (best & np.uint64(0xFFFFFFFF))).astype(np.int64))
+        finite = part_max[row] > -np.inf
+        top = part_max[row].max()
+        lse = top + np.log((part_sum[row][finite] * np.exp(part_max[row][finite] - top)).sum())
+        want_x.append(x[np.argsort(ids)][np.searchsorted(np.sort(ids), want_ids[-1])] - lse)
+    lp = cuda.device_array((rows, k), np.float32)
+    out_ids = cuda.device_array((rows, k), np.int32)
+    _merge_kernel[rows, TOPK_THREADS](cuda.to_device(part_keys), cuda.to_device(part_max),
+                                      cuda.to_device(part_sum), k, lp, out_ids)
+    np.testing.assert_array_equal(out_ids.copy_to_host(), np.array(want_ids))
+    np.testing.assert_allclose(lp.copy_to_host(), np.array(want_x), rtol=0, atol=1e-5)

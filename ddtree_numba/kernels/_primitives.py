@@ -351,6 +351,23 @@ def block_scan_scratch(T: int) -> int:
     return T if SIMULATOR else T // 32
 
 
+if SIMULATOR:
+
+    @cuda.jit(device=True)
+    def sync_warp():
+        """The simulator has no ``syncwarp``: a block barrier stands in for it, so every
+        thread of the block must reach each call (callers keep their loops uniform)."""
+        cuda.syncthreads()
+
+else:
+
+    @cuda.jit(device=True, inline=True)
+    def sync_warp():
+        """Every lane of the warp waits here, and its shared-memory writes before it are
+        visible to the warp's other lanes after it (``bar.warp.sync``, full mask)."""
+        cuda.syncwarp(FULL_MASK)
+
+
 @cuda.jit(device=True, inline=True)
 def _bitonic_sort_in_shared(keys, n, tid, T):
     """Sort ``keys[0:n]`` descending in place (``n`` a power of two; shared memory)."""

@@ -78,6 +78,7 @@ from ._device import (
     sm_count,
 )
 from ._primitives import (
+    FULL_MASK,
     bits_of_key,
     bits_to_float,
     block_inclusive_scan,
@@ -86,6 +87,7 @@ from ._primitives import (
     float_of_key,
     orderable_key,
     sort_desc_any,
+    sync_warp,
 )
 
 TOPK_THREADS = 32 if SIMULATOR else 512   # a power of two, at most MAX_THREADS
@@ -350,35 +352,10 @@ def _write_top(cand, k, lse, row_id, tid, T, top_log_probs, top_token_ids):
 
 
 @cuda.jit(device=True, inline=True)
-def merge_parts(part_keys, part_max, part_sum, row_id, k, lists, stats, tid, T, top_log_probs,
-                top_token_ids):
-    """The row's top K from its parts' sorted lists (each part's best ``k`` contain every one
-    of the row's best ``k`` that lies in the part), and its log-sum-exp from the parts' ``(max,
-    sum)``; every thread of the block calls it. ``lists``: ``MERGE_SLOTS`` shared uint64,
-    ``stats``: one shared float32.
-
-    A tree of pairwise merges that keep only the best ``k2`` (``k`` rounded up to a power of
-    two; the lists padded with key 0 to ``k2`` and to a power-of-two count ``P2``). Lists
-    ``q`` and ``q + half`` (both descending) merge into list ``q``: ``c[j] = max(A[j],
-    B[k2 - 1 - j])`` pairs A's ``j``-th best with B's ``j``-th worst; the ``k2`` winners are
-    the best ``k2`` of both lists and form a bitonic sequence (falling, then rising), which
-    the half-cleaners of strides ``k2 / 2, .., 1`` sort descending. ``log2 P2`` rounds of
-    ``1 + log2 k2`` steps, a barrier each; no step sorts more than ``k2`` keys at once.
-    """
-    parts = part_keys.shape[1]
-    row_max = part_max[row_id]              # [parts]
-    row_sum = part_sum[row_id]
-    k2 = 1
-    while k2 < k:
-        k2 *= 2
-    p2 = 1
-    while p2 < parts:
-        p2 *= 2                             # p2 * k2 <= MERGE_SLOTS, checked by the launcher
-    for i in range(tid, p2 * k2, T):        # slot i: part i // k2, rank i % k2
-        q = i // k2
-        r = i % k2
-        lists[i] = part_keys[row_id, q, r] if q < parts and r < k else uint64(0)
-    if tid == 0:                            # lse = M + log(sum_p s_p exp(m_p - M))
+def _row_lse_serial(row_max, row_sum, parts, tid, stats):
+    """``stats[0] = lse = M + log(sum_p s_p exp(m_p - M))``, ``M = max_p m_p``, by thread 0 in
+    part order (the simulator's: it has no shuffles)."""
+    if tid == 0:
         big = NEG_INF
         for q in range(parts):
             big = max(big, row_max[q])
@@ -388,27 +365,148 @@ def merge_parts(part_keys, part_max, part_sum, row_id, k, lists, stats, tid, T, 
             if m_q > NEG_INF:
                 total += row_sum[q] * math.exp(m_q - big)
         stats[0] = big + math.log(total) if big > NEG_INF else NEG_INF
+
+
+@cuda.jit(device=True, inline=True)
+def _row_lse_by_warp(row_max, row_sum, parts, tid, stats):
+    """The same ``lse`` by warp 0: lane ``l`` loads parts ``l`` and ``l + 32`` (all four loads
+    in flight at once, where thread 0's loop waits for each), then a shuffle tree takes the
+    max and, after it, the sum (every lane ends with both)."""
+    if tid < 32:
+        m0 = row_max[tid] if tid < parts else NEG_INF
+        m1 = row_max[tid + 32] if tid + 32 < parts else NEG_INF
+        s0 = row_sum[tid] if tid < parts else float32(0.0)
+        s1 = row_sum[tid + 32] if tid + 32 < parts else float32(0.0)
+        big = max(m0, m1)
+        offset = 16
+        while offset > 0:
+            big = max(big, cuda.shfl_xor_sync(FULL_MASK, big, offset))
+            offset //= 2
+        total = float32(0.0)
+        if m0 > NEG_INF:
+            total += s0 * math.exp(m0 - big)
+        if m1 > NEG_INF:
+            total += s1 * math.exp(m1 - big)
+        offset = 16
+        while offset > 0:
+            total += cuda.shfl_xor_sync(FULL_MASK, total, offset)
+            offset //= 2
+        if tid == 0:
+            stats[0] = big + math.log(total) if big > NEG_INF else NEG_INF
+
+
+_row_lse = _row_lse_serial if SIMULATOR else _row_lse_by_warp
+
+
+@cuda.jit(device=True, inline=True)
+def _part_key(part_keys, row_id, j, n, log_k2, parts, k):
+    """Slot ``j`` of the merge's lists: rank ``j % k2`` of part ``j / k2`` (key 0 past the
+    parts, past their ``k`` keys and past the ``n`` slots)."""
+    q = j >> log_k2
+    r = j & ((int32(1) << log_k2) - int32(1))
+    return part_keys[row_id, q, r] if j < n and q < parts and r < k else uint64(0)
+
+
+@cuda.jit(device=True, inline=True)
+def _merge_barrier(stride_done, stride_next):
+    """The wait between two steps of the merge: a block barrier when either step moves
+    elements between warps (a stride of 64 or more), else the warp's own ``sync_warp``."""
+    if stride_done >= 64 or stride_next >= 64:
+        cuda.syncthreads()
+    else:
+        sync_warp()
+
+
+@cuda.jit(device=True, inline=True)
+def merge_parts(part_keys, part_max, part_sum, row_id, k, lists, stats, tid, T, top_log_probs,
+                top_token_ids):
+    """The row's top K from its parts' sorted lists (each part's best ``k`` contain every one
+    of the row's best ``k`` that lies in the part), and its log-sum-exp from the parts' ``(max,
+    sum)``; every thread of the block calls it (``T`` whole warps). ``lists``: ``MERGE_SLOTS``
+    shared uint64, ``stats``: one shared float32.
+
+    A tree of pairwise merges that keep only the best ``k2`` (``k`` rounded up to a power of
+    two; the lists padded with key 0 to ``k2`` and to a power-of-two count ``P2``). Lists
+    ``q`` and ``q + half`` (both descending) merge into list ``q``: ``c[j] = max(A[j],
+    B[k2 - 1 - j])`` pairs A's ``j``-th best with B's ``j``-th worst; the ``k2`` winners are
+    the best ``k2`` of both lists and form a bitonic sequence (falling, then rising), which
+    the half-cleaners of strides ``k2 / 2, .., 1`` sort descending. ``log2 P2`` rounds of
+    ``1 + log2 k2`` steps; no step sorts more than ``k2`` keys at once.
+
+    Who touches what: the round's lists are one run of ``half k2`` slots, and thread ``t``
+    takes the pairs ``i = t, t + T, ..`` of every step. Pair ``i`` of stride ``s`` is slots
+    ``e = 2 i - i % s`` and ``e + s`` (entry ``i % s`` of run ``i / s`` of ``2 s`` slots; a
+    run never crosses a list, ``s < k2``); the pairing's pair ``i`` is the slots of stride
+    32's. With ``T`` a multiple of 32, warp ``w``'s pairs then lie in its own chunks of 64
+    slots, ``[64 w + 2 m T, 64 w + 2 m T + 64)``, for every stride up to 32: such a step
+    waits only for its warp before the next (``_merge_barrier``). A stride of 64 or more
+    moves slots between warps and takes a block barrier, as does the end of a round (the
+    next round reads lists other warps wrote). At 8 parts of 256: 12 block barriers, where
+    a barrier a step took 27. A thread's pairs of a step are a ``while`` loop: a ``range``
+    with a runtime bound has numba work out its trip count in 64-bit signed arithmetic at
+    every entry, some 50 instructions on the step's critical path. What each step costs is
+    one warp's chain of dependent instructions (about a microsecond a round at 16 keys a
+    list, whatever the barriers): the index math, which numba does in 64 bits.
+    """
+    parts = part_keys.shape[1]
+    log_k2 = int32(0)
+    while (int32(1) << log_k2) < k:
+        log_k2 += int32(1)
+    k2 = int32(1) << log_k2
+    p2 = int32(1)
+    while p2 < parts:
+        p2 *= int32(2)                      # p2 * k2 <= MERGE_SLOTS, checked by the launcher
+    n = p2 * k2
+    t = int32(tid)
+    T = int32(T)
+    for i in range(t, n, int32(4) * T):     # four loads a thread in flight before any
+        x0 = _part_key(part_keys, row_id, i, n, log_k2, parts, k)          # store waits
+        x1 = _part_key(part_keys, row_id, i + T, n, log_k2, parts, k)
+        x2 = _part_key(part_keys, row_id, i + int32(2) * T, n, log_k2, parts, k)
+        x3 = _part_key(part_keys, row_id, i + int32(3) * T, n, log_k2, parts, k)
+        lists[i] = x0
+        if i + T < n:
+            lists[i + T] = x1
+        if i + int32(2) * T < n:
+            lists[i + int32(2) * T] = x2
+        if i + int32(3) * T < n:
+            lists[i + int32(3) * T] = x3
+    _row_lse(part_max[row_id], part_sum[row_id], parts, tid, stats)
     cuda.syncthreads()                      # lists and lse in place
-    half = p2 // 2
+    half = p2 // int32(2)
     while half > 0:                         # lists 0 .. 2 half - 1 -> 0 .. half - 1
-        for i in range(tid, half * k2, T):  # slot i of list q = i // k2, rank j = i % k2
-            j = i % k2
-            partner = lists[(i // k2 + half) * k2 + k2 - 1 - j]
-            if partner > lists[i]:
-                lists[i] = partner
-        cuda.syncthreads()                  # every list of winners in place
-        stride = k2 // 2
+        pairs = half * k2 // int32(2)       # pairs of the round's half k2 slots a step
+        # the pairing, on stride 32's slots (a warp's 32 pairs cover 64 slots: at least 32
+        # pair indices, for rounds of fewer slots, past which the slots are skipped)
+        i = t
+        while i < max(pairs, int32(32)):
+            e = (i << int32(1)) - (i & int32(31))
+            for c in range(2):
+                j = e + int32(c) * int32(32)            # slot j of list j / k2
+                if j < half * k2:
+                    mate = ((j >> log_k2) + half) * k2 + k2 - int32(1) - (j & (k2 - int32(1)))
+                    partner = lists[mate]
+                    if partner > lists[j]:
+                        lists[j] = partner
+            i += T
+        stride = k2 // int32(2)
+        _merge_barrier(int32(32), stride)   # the winners in place
         while stride > 0:                   # half-cleaners: sort each bitonic list
-            for i in range(tid, half * k2, T):
-                if i & stride == 0:         # pairs (i, i + stride) inside one list
-                    a = lists[i]
-                    b = lists[i + stride]
-                    if a < b:
-                        lists[i] = b
-                        lists[i + stride] = a
-            cuda.syncthreads()              # this step done before the next reads
-            stride //= 2
-        half //= 2
+            i = t
+            while i < pairs:
+                low = i & (stride - int32(1))
+                e = ((i - low) << int32(1)) + low
+                a = lists[e]
+                b = lists[e + stride]
+                if a < b:
+                    lists[e] = b
+                    lists[e + stride] = a
+                i += T
+            if stride > 1:
+                _merge_barrier(stride, stride // int32(2))
+            stride //= int32(2)
+        cuda.syncthreads()                  # every list of the round merged
+        half //= int32(2)
     _write_top(lists, k, stats[0], row_id, tid, T, top_log_probs, top_token_ids)
 
 
