@@ -3,7 +3,8 @@
 A projection, not a measurement: each kernel is scaled by the resource that bounds it on the
 H200, as measured (benchmarks/NOTES.md):
 
-* ``latency``: one dependent chain on one warp (build_tree's pops) -> SM clock ratio;
+* ``latency``: one dependent chain on one warp or one block (build_tree's pops and its
+  threshold select, the resident draft_topk's blocks) -> SM clock ratio;
 * ``issue``: instruction issue over the whole GPU (draft_topk, verify_attn, its tensor-core
   variant at 22-29 % of the mma.sync ceiling: one block of 8 warps an SM on both chips)
   -> (SMs x clock);
@@ -50,8 +51,20 @@ def projection() -> list:
             nbytes = bs * N * N + bs * N * ((N + 31) // 32) * 4     # visibility + bits
             out.append((f"build_tree bs={bs} budget={r['budget']}", "latency",
                         float(r["gpu_us"]), nbytes))
+    for r in rows("ddtree_part"):           # the newest per-stage figures at bs 1: the
+        label = f"bs={r['bs']} V={r['V']} K={r['K']} {r['logits']} logits"   # resident
+        layers = f"cache {r['layers']} x {r['cache']}"                     # draft_topk and
+        nbytes = int(r["bs"]) * 15 * int(r["V"]) * (4 if r["logits"] == "float32" else 2)
+        out.append((f"draft_topk resident {label} (DDTree part)", "latency",   # one block's
+                    float(r["draft_topk_us"]), nbytes))                       # chain each
+        out.append((f"build_tree threshold bs={r['bs']} budget={r['budget']} (DDTree part, "
+                    f"{r['logits']} logits)", "latency", float(r["build_tree_us"]), 0))
+        out.append((f"accept_commit bs={r['bs']} N={int(r['budget']) + 1} {layers} (DDTree "
+                    "part)", "launch", float(r["accept_commit_us"]), 0))
     for r in rows("draft_topk"):
-        if r["bs"] in ("1", "64") and r["k"] == "256":
+        # bs 1 with K <= 256 now takes the resident kernel (its rows above); these rows
+        # predate it
+        if r["bs"] == "64" and r["k"] == "256":
             bs = int(r["bs"])
             nbytes = bs * 15 * int(r["V"]) * (4 if r["dtype"] == "float32" else 2)
             # the kernel the default launches (filtered_pays, as draft_topk decides; every
