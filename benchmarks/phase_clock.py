@@ -12,7 +12,8 @@ so on); the list is printed in order.
 Two kernels, at bs 1:
 
 * ``draft_topk``'s resident part kernel, V 163 840, K 256 and 16, float32. The median over the
-  120 blocks of each phase, the number of candidates sorted, and the last block's merge.
+  120 blocks of each phase, the number of candidates sorted, and the last block's merge, with
+  marks inside it (``draft_topk.merge_parts``: its loads, the log-sum-exp, each round).
 * ``build_tree``'s threshold select, on ``bench_build_tree.py``'s inputs, one line per budget.
   Codes: ``1`` root and row 0; ``100 + d`` level ``d``'s count; ``200 + d`` a floor rise (the
   radix select); ``300 + d`` the compaction after it; ``400 + d`` the expansion; ``500 + d``
@@ -27,6 +28,7 @@ it. Writes ``$OUT/phase_clock.txt``.
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import sys
@@ -41,6 +43,8 @@ import ddtree_numba.kernels.draft_topk_resident as resident_module
 from ddtree_numba import kernels as K
 from ddtree_numba import reference as ref
 from ddtree_numba.kernels.draft_topk import parts_per_row
+
+topk_module = importlib.import_module("ddtree_numba.kernels.draft_topk")   # not the function
 
 CLOCK_SOURCE = r"""
 extern "C" __device__ int phase_clock(long long* out) { *out = clock64(); return 0; }
@@ -122,15 +126,44 @@ def resident_edits():
            "        cuda.syncthreads()                      # the flag is set\n" + mark(8, "8")),
           ("                        RESIDENT_THREADS, top_log_probs, top_token_ids)\n\n"
            "    return whole_row_kernel",
-           "                        RESIDENT_THREADS, top_log_probs, top_token_ids)\n"
-           + mark(12, "9") + mark(8, "11", fn="ns") + "\n    return whole_row_kernel")]
+           "                        RESIDENT_THREADS, top_log_probs, top_token_ids, marks)\n"
+           + mark(12, "9") + mark(8, "11", fn="ns") + "\n    return whole_row_kernel"),
+          ("            cuda.threadfence()                  # (in every thread, before its "
+           "reads)\n",
+           "            cuda.threadfence()                  # (in every thread, before its "
+           "reads)\n" + mark(12, "15"))]
     return a
+
+
+# Inside the last block's merge (``draft_topk.merge_parts``, marks 16-25): its set-up, the
+# lists' loads, the log-sum-exp, each round, the outputs.
+MERGE_PHASES = {15: "second fence", 16: "merge set-up", 17: "lists loaded", 18: "log-sum-exp",
+                19: "round 1", 20: "round 2", 21: "round 3", 22: "round 4", 23: "round 5",
+                24: "round 6", 25: "outputs"}
+
+
+def merge_edits():
+    signature = ("def merge_parts(part_keys, part_max, part_sum, row_id, k, lists, stats, tid, "
+                 "T, top_log_probs,\n                top_token_ids):")
+    rounds = "        cuda.syncthreads()                  # every list of the round merged\n"
+    lse = "    cuda.syncthreads()                      # lists and lse in place\n"
+    write = ("    _write_top(lists, k, stats[0], row_id, tid, T, top_log_probs, top_token_ids)"
+             "\n\n\n@cuda.jit\ndef _merge_kernel")
+    return [(signature, signature.replace("top_token_ids):", "top_token_ids, marks):")),
+            ("    n = p2 * k2\n", "    n = p2 * k2\n" + mark(4, "16")),
+            ("    _row_lse(part_max[row_id]", mark(4, "17") + "    _row_lse(part_max[row_id]"),
+            (lse, lse + mark(4, "18") + "    rnd = 0\n"),
+            (rounds, rounds + mark(8, "min(19 + rnd, 24)") + "        rnd += 1\n"),
+            (write, write.replace("\n\n\n@cuda.jit", "\n" + mark(4, "25") + "\n\n@cuda.jit"))]
 
 
 def resident_report(write):
     import torch
 
     marked = instrument(resident_module, resident_edits())
+    marked_topk = instrument(topk_module, merge_edits())   # the merge, marked too
+    marked.merge_parts = marked_topk.merge_parts
+    marked_topk.clock = marked.clock        # one copy of the clock functions is linked
     L, V = 15, 163_840
     for k in (256, 16):
         x = (torch.randn((1, L, V), device="cuda") * 3).to(torch.float32)
@@ -142,7 +175,7 @@ def resident_report(write):
         _, part = marked.resident_kernels(False)
         chunk = math.ceil(words.shape[1] / parts)
         for _ in range(5):                  # compile, warm up; the last launch is read
-            marks = cuda.to_device(np.zeros((L, parts, 16), np.int64))
+            marks = cuda.to_device(np.zeros((L, parts, 32), np.int64))
             part[(L, parts), marked.RESIDENT_THREADS](words, bits, k, chunk, *scratch, *outs,
                                                       marks)
             cuda.synchronize()
@@ -163,6 +196,14 @@ def resident_report(write):
                   f"{np.median(values):6.2f} us, max {np.max(values):6.2f}")
         write(f"  candidates sorted a block: median {np.median(t[:, :, 14]):.0f}, "
               f"max {t[:, :, 14].max()}")
+        merging = t[last]                   # [rows, 32]: the blocks that merged
+        before = merging[:, 8]
+        for slot, name in MERGE_PHASES.items():
+            if (merging[:, slot] == 0).all():
+                continue                    # (a round the merge did not have)
+            us = np.median(merging[:, slot] - before) / ghz / 1e3
+            write(f"    merge: {name:<13} median {us:6.2f} us")
+            before = merging[:, slot]
 
 
 # ---------------------------------------------------------------- build_tree, threshold select
