@@ -551,7 +551,8 @@ def test_merge_of_the_parts_sorted_lists(parts, k):
         finite = part_max[row] > -np.inf
         top = part_max[row].max()
         lse = top + np.log((part_sum[row][finite] * np.exp(part_max[row][finite] - top)).sum())
-        want_x.append(x[np.argsort(ids)][np.searchsorted(np.sort(ids), want_ids[-1])] - lse)
+        x_of_id = dict(zip(ids.tolist(), x.tolist(), strict=True))
+        want_x.append(np.array([x_of_id[i] for i in want_ids[-1].tolist()]) - lse)
     lp = cuda.device_array((rows, k), np.float32)
     out_ids = cuda.device_array((rows, k), np.int32)
     _merge_kernel[rows, TOPK_THREADS](cuda.to_device(part_keys), cuda.to_device(part_max),

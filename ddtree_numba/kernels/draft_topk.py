@@ -459,8 +459,9 @@ def merge_parts(part_keys, part_max, part_sum, row_id, k, lists, stats, tid, T, 
     n = p2 * k2
     t = int32(tid)
     T = int32(T)
-    for i in range(t, n, int32(4) * T):     # four loads a thread in flight before any
-        x0 = _part_key(part_keys, row_id, i, n, log_k2, parts, k)          # store waits
+    # slots i, i + T, i + 2 T, i + 3 T: the four loads of a thread in flight before any store
+    for i in range(t, n, int32(4) * T):
+        x0 = _part_key(part_keys, row_id, i, n, log_k2, parts, k)
         x1 = _part_key(part_keys, row_id, i + T, n, log_k2, parts, k)
         x2 = _part_key(part_keys, row_id, i + int32(2) * T, n, log_k2, parts, k)
         x3 = _part_key(part_keys, row_id, i + int32(3) * T, n, log_k2, parts, k)
