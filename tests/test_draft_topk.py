@@ -514,14 +514,36 @@ def _orderable(x):
     return np.where(b >> 31, ~b, b | np.uint32(0x80000000)).astype(np.uint32)
 
 
-@pytest.mark.parametrize("parts, k", [(1, 1), (3, 1), (2, 5), (8, 16), (5, 128), (2, 256),
-                                      (8, 256), (64, 16)])
+MERGE_CASES = [(1, 1), (3, 1), (2, 5), (8, 16), (2, 33), (5, 128), (2, 256), (8, 256), (64, 16)]
+
+
+@pytest.mark.parametrize("parts, k", MERGE_CASES)
 def test_merge_of_the_parts_sorted_lists(parts, k):
     """``merge_parts`` alone (the merge kernel): the best ``k`` of the parts' lists, ties of
     key broken by id, and the row's log-sum-exp from the parts' ``(max, sum)``; lists shorter
     than ``k`` (padded with key 0) and parts whose max is -inf. Rounds whose steps wait for a
     warp only (``k <= 64``) and for the block (``k >= 128``), and 64 parts (two a lane in the
     log-sum-exp)."""
+    check_merge(parts, k)
+
+
+@pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated shuffles")
+@pytest.mark.parametrize("parts, k", MERGE_CASES)
+def test_merge_with_its_gpu_rounds_on_emulated_shuffles(monkeypatch, parts, k):
+    """The GPU's merge (strides of 32 and less in registers and shuffles, the pairing in them
+    for lists of up to 64; the log-sum-exp by one warp's shuffles) on the simulator."""
+    import importlib
+
+    from simulated_warp import emulated_shuffles
+
+    module = importlib.import_module("ddtree_numba.kernels.draft_topk")   # not the function
+    monkeypatch.setattr(module, "_merge_round", module._merge_round_in_registers)
+    monkeypatch.setattr(module, "_row_lse", module._row_lse_by_warp)
+    with emulated_shuffles():
+        check_merge(parts, k)
+
+
+def check_merge(parts, k):
     from numba import cuda
 
     from ddtree_numba.kernels.draft_topk import TOPK_THREADS, _merge_kernel

@@ -63,7 +63,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint32, uint64
+from numba import cuda, float32, int32, int64, uint32, uint64
 
 from ..arrays import data_address, storage_kind
 from ..limits import MAX_K
@@ -418,6 +418,124 @@ def _merge_barrier(stride_done, stride_next):
 
 
 @cuda.jit(device=True, inline=True)
+def _mate(j, half, k2, log_k2):
+    """The slot that slot ``j`` of list ``q = j / k2`` is paired with: rank ``k2 - 1 - j % k2``
+    of list ``q + half``."""
+    return ((j >> log_k2) + half) * k2 + k2 - int32(1) - (j & (k2 - int32(1)))
+
+
+@cuda.jit(device=True, inline=True)
+def _pairing_in_shared(lists, half, k2, log_k2, t, T):
+    """The round's pairing, ``c[j] = max(A[j], B[k2 - 1 - j])`` for every slot ``j < half
+    k2``, on stride 32's slots: pair index ``i`` (``t, t + T, ..``; at least 32 of them, for
+    rounds of fewer slots, past which the slots are skipped) takes slots ``2 i - i % 32`` and
+    that plus 32."""
+    n_slots = half * k2
+    i = t
+    while i < max(n_slots // int32(2), int32(32)):
+        e = (i << int32(1)) - (i & int32(31))
+        for c in range(2):
+            j = e + int32(c) * int32(32)
+            if j < n_slots:
+                partner = lists[_mate(j, half, k2, log_k2)]
+                if partner > lists[j]:
+                    lists[j] = partner
+        i += T
+
+
+@cuda.jit(device=True, inline=True)
+def _clean_step_in_shared(lists, n_slots, stride, t, T):
+    """One half-cleaner step of ``stride`` over ``lists[0:n_slots]``: pair ``i`` (``t, t + T,
+    ..``) is slots ``e = 2 i - i % stride`` and ``e + stride`` (entry ``i % stride`` of run ``i
+    / stride`` of ``2 stride`` slots); the lower slot keeps the larger key."""
+    i = t
+    while i < n_slots // int32(2):
+        low = i & (stride - int32(1))
+        e = ((i - low) << int32(1)) + low
+        a = lists[e]
+        b = lists[e + stride]
+        if a < b:
+            lists[e] = b
+            lists[e + stride] = a
+        i += T
+
+
+@cuda.jit(device=True, inline=True)
+def _merge_round_in_shared(lists, half, k2, log_k2, t, T):
+    """A round of :func:`merge_parts` step by step in shared memory (the simulator's: it has
+    no shuffles). Steps of stride 32 or less wait for their warp only."""
+    _pairing_in_shared(lists, half, k2, log_k2, t, T)
+    stride = k2 // int32(2)
+    _merge_barrier(int32(32), stride)       # the winners in place
+    while stride > 0:                       # half-cleaners: sort each bitonic list
+        _clean_step_in_shared(lists, half * k2, stride, t, T)
+        if stride > 1:
+            _merge_barrier(stride, stride // int32(2))
+        stride //= int32(2)
+
+
+@cuda.jit(device=True, inline=True)
+def _clean_by_shuffle(x, lane, stride):
+    """A half-cleaner step of ``stride < 32`` on one register: the partner slot is the same
+    register of lane ``lane ^ stride``; the lower slot keeps the larger key. Every lane of the
+    warp calls it (full mask; numba shuffles 64-bit values as int64)."""
+    y = uint64(cuda.shfl_xor_sync(FULL_MASK, int64(x), stride))
+    return max(x, y) if lane & stride == 0 else min(x, y)
+
+
+@cuda.jit(device=True, inline=True)
+def _merge_round_in_registers(lists, half, k2, log_k2, t, T):
+    """A round of :func:`merge_parts` with its steps of stride 32 and less in registers (a GPU's:
+    shuffles). Lane ``l`` of pair index ``i = t, t + T, ..`` holds slots ``e = 2 i - i % 32``
+    (``lo``) and ``e + 32`` (``hi``): its warp's 64-slot chunk, lane ``l`` at ``l`` and ``32 +
+    l``. A step of stride 32 is the lane's own ``lo`` against its ``hi``; of stride ``s < 32``,
+    each register against the same register of lane ``l ^ s``. So those steps need no shared
+    memory and no barrier. Lists of ``k2 <= 64`` do their pairing in the same registers (each
+    slot's max with its mate, read from shared memory); longer lists pair in shared memory and
+    take the strides ``k2 / 2 .. 64`` there, a block barrier after each."""
+    n_slots = half * k2
+    stride = k2 // int32(2)
+    paired = k2 >= int32(128)
+    if paired:                              # (the same branch in every thread)
+        _pairing_in_shared(lists, half, k2, log_k2, t, T)
+        cuda.syncthreads()                  # the winners in place
+        while stride >= int32(64):
+            _clean_step_in_shared(lists, n_slots, stride, t, T)
+            cuda.syncthreads()              # slots moved between warps
+            stride //= int32(2)
+    lane = t & int32(31)
+    i = t                                   # whole warps: a warp's pair indices are 32
+    while i < max(n_slots // int32(2), int32(32)):      # consecutive ones (or none)
+        e = (i << int32(1)) - (i & int32(31))
+        lo = uint64(0)                      # slots past the round's (a list past them all)
+        hi = uint64(0)                      # carry key 0 through the steps, never stored
+        if e < n_slots:
+            lo = lists[e]
+            if not paired:
+                lo = max(lo, lists[_mate(e, half, k2, log_k2)])
+        if e + int32(32) < n_slots:
+            hi = lists[e + int32(32)]
+            if not paired:
+                hi = max(hi, lists[_mate(e + int32(32), half, k2, log_k2)])
+        s = stride
+        if s == int32(32):                  # lo and hi are a pair
+            lo, hi = max(lo, hi), min(lo, hi)
+            s = int32(16)
+        while s > 0:
+            lo = _clean_by_shuffle(lo, lane, s)
+            hi = _clean_by_shuffle(hi, lane, s)
+            s //= int32(2)
+        if e < n_slots:
+            lists[e] = lo
+        if e + int32(32) < n_slots:
+            lists[e + int32(32)] = hi
+        i += T
+
+
+_merge_round = _merge_round_in_shared if SIMULATOR else _merge_round_in_registers
+
+
+@cuda.jit(device=True, inline=True)
 def merge_parts(part_keys, part_max, part_sum, row_id, k, lists, stats, tid, T, top_log_probs,
                 top_token_ids):
     """The row's top K from its parts' sorted lists (each part's best ``k`` contain every one
@@ -438,15 +556,16 @@ def merge_parts(part_keys, part_max, part_sum, row_id, k, lists, stats, tid, T, 
     ``e = 2 i - i % s`` and ``e + s`` (entry ``i % s`` of run ``i / s`` of ``2 s`` slots; a
     run never crosses a list, ``s < k2``); the pairing's pair ``i`` is the slots of stride
     32's. With ``T`` a multiple of 32, warp ``w``'s pairs then lie in its own chunks of 64
-    slots, ``[64 w + 2 m T, 64 w + 2 m T + 64)``, for every stride up to 32: such a step
-    waits only for its warp before the next (``_merge_barrier``). A stride of 64 or more
-    moves slots between warps and takes a block barrier, as does the end of a round (the
-    next round reads lists other warps wrote). At 8 parts of 256: 12 block barriers, where
-    a barrier a step took 27. A thread's pairs of a step are a ``while`` loop: a ``range``
-    with a runtime bound has numba work out its trip count in 64-bit signed arithmetic at
-    every entry, some 50 instructions on the step's critical path. What each step costs is
-    one warp's chain of dependent instructions (about a microsecond a round at 16 keys a
-    list, whatever the barriers): the index math, which numba does in 64 bits.
+    slots, ``[64 w + 2 m T, 64 w + 2 m T + 64)``, for every stride up to 32. So on a GPU
+    (``_merge_round_in_registers``) each lane holds its two slots of that chunk in registers
+    for the steps of stride 32 and less: its own pair at 32, shuffles below, no shared memory
+    and no barrier; lists of up to 64 keys pair in those registers too. A stride of 64 or more
+    moves slots between warps: shared memory and a block barrier, as at the end of a round
+    (the next round reads lists other warps wrote). The simulator, which has no shuffles,
+    takes each step in shared memory (``_merge_round_in_shared``), a warp's wait between the
+    narrow ones. Loops over a thread's pairs are ``while`` loops: a ``range`` with a runtime
+    bound has numba work out its trip count in 64-bit signed arithmetic at every entry, some
+    50 instructions on the step's critical path.
     """
     parts = part_keys.shape[1]
     log_k2 = int32(0)
@@ -476,36 +595,7 @@ def merge_parts(part_keys, part_max, part_sum, row_id, k, lists, stats, tid, T, 
     cuda.syncthreads()                      # lists and lse in place
     half = p2 // int32(2)
     while half > 0:                         # lists 0 .. 2 half - 1 -> 0 .. half - 1
-        pairs = half * k2 // int32(2)       # pairs of the round's half k2 slots a step
-        # the pairing, on stride 32's slots (a warp's 32 pairs cover 64 slots: at least 32
-        # pair indices, for rounds of fewer slots, past which the slots are skipped)
-        i = t
-        while i < max(pairs, int32(32)):
-            e = (i << int32(1)) - (i & int32(31))
-            for c in range(2):
-                j = e + int32(c) * int32(32)            # slot j of list j / k2
-                if j < half * k2:
-                    mate = ((j >> log_k2) + half) * k2 + k2 - int32(1) - (j & (k2 - int32(1)))
-                    partner = lists[mate]
-                    if partner > lists[j]:
-                        lists[j] = partner
-            i += T
-        stride = k2 // int32(2)
-        _merge_barrier(int32(32), stride)   # the winners in place
-        while stride > 0:                   # half-cleaners: sort each bitonic list
-            i = t
-            while i < pairs:
-                low = i & (stride - int32(1))
-                e = ((i - low) << int32(1)) + low
-                a = lists[e]
-                b = lists[e + stride]
-                if a < b:
-                    lists[e] = b
-                    lists[e + stride] = a
-                i += T
-            if stride > 1:
-                _merge_barrier(stride, stride // int32(2))
-            stride //= int32(2)
+        _merge_round(lists, half, k2, log_k2, t, T)
         cuda.syncthreads()                  # every list of the round merged
         half //= int32(2)
     _write_top(lists, k, stats[0], row_id, tid, T, top_log_probs, top_token_ids)
