@@ -9,11 +9,16 @@ is the time of the phase between them, as long as its slowest warp took. Marks o
 threshold select also record which phase ended (a code: ``100 + d`` is level ``d``'s count and
 so on); the list is printed in order.
 
-Two kernels, at bs 1:
+Three kernels:
 
 * ``draft_topk``'s resident part kernel, V 163 840, K 256 and 16, float32. The median over the
   120 blocks of each phase, the number of candidates sorted, and the last block's merge, with
   marks inside it (``draft_topk.merge_parts``: its loads, the log-sum-exp, each round).
+* ``draft_topk``'s one-pass kernel (``variant="filtered"``, whole rows a block), bs 64, L 15,
+  V 163 840, K 256 and 16, float32 and bfloat16: the launch's span and its waves of blocks
+  (``%globaltimer``), each phase of a block (the loop, the block's log-sum-exp, the radix
+  select, the gather, the sort, the write), each warp's loop and how many of its tiles appended,
+  compacted or took the slow append.
 * ``build_tree``'s threshold select, on ``bench_build_tree.py``'s inputs, one line per budget.
   Codes: ``1`` root and row 0; ``100 + d`` level ``d``'s count; ``200 + d`` a floor rise (the
   radix select); ``300 + d`` the compaction after it; ``400 + d`` the expansion; ``500 + d``
@@ -39,6 +44,7 @@ from harness import Bench  # noqa: F401  (sets NUMBA_CUDA_ARRAY_INTERFACE_SYNC b
 from numba import cuda
 
 import ddtree_numba.kernels.build_tree_threshold as threshold_module
+import ddtree_numba.kernels.draft_topk_filtered as filtered_module
 import ddtree_numba.kernels.draft_topk_resident as resident_module
 from ddtree_numba import kernels as K
 from ddtree_numba import reference as ref
@@ -72,7 +78,8 @@ def instrument(module, edits):
     copy = types.ModuleType(module.__name__ + "_marked")
     copy.__dict__["CLOCK_SOURCE"] = CLOCK_SOURCE
     exec(compile(source.replace("\nTHREADS = ", PRELUDE + "\nTHREADS = ", 1)
-                 .replace("\nRESIDENT_THREADS = ", PRELUDE + "\nRESIDENT_THREADS = ", 1),
+                 .replace("\nRESIDENT_THREADS = ", PRELUDE + "\nRESIDENT_THREADS = ", 1)
+                 .replace("\nFILTER_THREADS = ", PRELUDE + "\nFILTER_THREADS = ", 1),
                  f"<{copy.__name__}>", "exec"), copy.__dict__)
     return copy
 
@@ -206,6 +213,109 @@ def resident_report(write):
             before = merging[:, slot]
 
 
+# ---------------------------------------------------------------- draft_topk, one pass
+FILTERED_PHASES = ["start", "state reset", "loop (slowest warp) and lse", "radix select",
+                   "gather", "sort", "write"]
+
+
+def filtered_edits():
+    """Marks 0-6 (thread 0: the block's phases), 10/11 (``%globaltimer`` at its start and end),
+    12 (candidates sorted), and per warp ``w``: 16 + w its loop's end, 24 + w its tiles that
+    appended, 32 + w its compactions, 40 + w its slow appends."""
+    sig = ("    def filter_select(words, bits, wlo, whi, k, tid, buf, top, hist, scratch, result, "
+           "red_u,\n                      red_f, n_cand, counts, floor_b):")
+    reset = ("        cuda.syncthreads()                  # block state reset before any warp "
+             "reads it\n")
+    start = "        m = NEG_INF\n        s = float32(0.0)\n"
+    scan = ("            end = warp_inclusive_scan(int32(mine), lane)\n"
+            "            arriving = cuda.shfl_sync(FULL_MASK, end, 31)\n"
+            "            if n + arriving > WARP_CAP and n > kk:\n")
+    room = ("                # make room first: compact (raising the floor), then filter the "
+            "tile again\n")
+    slow = "            for q in range(LOADS * per_word):\n"
+    loop_end = "        if lane == 0:\n            counts[warp] = n\n"
+    warp_marks = ("        if lane == 0:\n            marks[16 + warp] = clock()\n"
+                  "            marks[24 + warp] = appends\n"
+                  "            marks[32 + warp] = compactions\n"
+                  "            marks[40 + warp] = slow_tiles\n")
+    lse_done = "        cut_key = floor_b[0]\n"
+    fallback = "        if counts[WARPS] != 0 or kk - need + ties > TOP_CAP:\n"
+    gathered = "        cuda.syncthreads()                  # all gathered\n"
+    sort = "        sort_desc_any(top, n_cand[0], tid, T)\n"
+    kernel = "    def whole_row_kernel(words, bits, k, top_log_probs, top_token_ids):\n"
+    body = "        tid = cuda.threadIdx.x\n        buf, top, hist"
+    call = "                                    counts, floor_b)\n        lse = m + math.log(total)"
+    write_top = ("        _write_top(top, k, lse, row_id, tid, FILTER_THREADS, top_log_probs, "
+                 "top_token_ids)\n\n    @kernel_for_block")
+    return [(sig, sig.replace("floor_b):", "floor_b, marks):")),
+            (reset, reset + mark(8, "1")),
+            (start, start + "        appends = 0\n        compactions = 0\n"
+             "        slow_tiles = 0\n"),
+            (scan, "            appends += 1\n" + scan),
+            (room, room + "                compactions += 1\n"),
+            (slow, "            slow_tiles += 1\n" + slow),
+            (loop_end, warp_marks + loop_end),
+            (lse_done, mark(8, "2") + lse_done),
+            (fallback, mark(8, "3") + fallback),
+            (gathered, gathered + mark(8, "4") + "        if tid == 0:\n"
+             "            marks[12] = n_cand[0]\n"),
+            (sort, sort + mark(8, "5")),
+            (kernel, kernel.replace("top_token_ids):", "top_token_ids, all_marks):")),
+            (body, body.replace("        buf,", "        marks = all_marks[row_id]\n"
+                                + mark(8, "10", fn="ns") + mark(8, "0") + "        buf,")),
+            (call, call.replace("floor_b)", "floor_b, marks)")),
+            (write_top, write_top.replace("\n\n    @kernel_for_block",
+                                          "\n" + mark(8, "6") + mark(8, "11", fn="ns")
+                                          + "\n    @kernel_for_block"))]
+
+
+def filtered_report(write):
+    import torch
+
+    marked = instrument(filtered_module, filtered_edits())
+    bs, L, V = 64, 15, 163_840
+    rows = bs * L
+    for k, dtype in ((256, torch.float32), (16, torch.float32), (256, torch.bfloat16)):
+        bf16 = dtype == torch.bfloat16
+        x = (torch.randn((rows, V), device="cuda") * 3).to(dtype)
+        bits = K.as_device(x.view(torch.int16 if bf16 else torch.int32)).view(
+            np.uint16 if bf16 else np.uint32)
+        words = bits.view(np.uint64)
+        outs = (cuda.device_array((rows, k), np.float32), cuda.device_array((rows, k), np.int32))
+        whole_row, _ = marked.filtered_kernels(bf16)
+        for _ in range(3):                  # compile, warm up; the last launch is read
+            marks = cuda.to_device(np.zeros((rows, 48), np.int64))
+            whole_row[rows, marked.FILTER_THREADS](words, bits, k, *outs, marks)
+            cuda.synchronize()
+        t = marks.copy_to_host()
+        begin, end = t[:, 10], t[:, 11]
+        span_us = (end.max() - begin.min()) / 1e3
+        ghz = np.median((t[:, 6] - t[:, 0]) / (end - begin))
+        block_us = (end - begin) / 1e3
+        starts = np.sort(begin - begin.min()) / 1e3
+        waves = ", ".join(f"{starts[i]:.0f}" for i in range(0, rows, 132))
+        name = "bfloat16" if bf16 else "float32"
+        gbs = rows * V * x.element_size() / (span_us * 1e-6) / 1e9
+        write(f"\ndraft_topk one pass, bs {bs}, L {L}, V {V}, k {k}, {name}: {span_us:.0f} us "
+              f"from the first block's start to the last one's end ({gbs:.0f} GB/s; clock "
+              f"{ghz:.2f} GHz)\n  a block: median {np.median(block_us):.1f} us, max "
+              f"{block_us.max():.1f}; blocks running at once, mean over the span: "
+              f"{block_us.sum() / span_us:.0f}; block i*132 started at (us): {waves}")
+        phases = np.diff(t[:, :7], axis=1) / ghz / 1e3
+        for i in range(6):
+            write(f"  {FILTERED_PHASES[i]:>28} -> {FILTERED_PHASES[i + 1]:<28} median "
+                  f"{np.median(phases[:, i]):7.2f} us, max {phases[:, i].max():7.2f}")
+        loops = (t[:, 16:24] - t[:, 1:2]) / ghz / 1e3
+        write(f"  a warp's loop: median {np.median(loops):.1f} us, slowest of a block "
+              f"median {np.median(loops.max(axis=1)):.1f}, fastest of a block median "
+              f"{np.median(loops.min(axis=1)):.1f}")
+        for label, lo in (("appending tiles", 24), ("compactions", 32), ("slow appends", 40)):
+            v = t[:, lo:lo + 8]
+            write(f"  {label} a warp: median {np.median(v):.0f}, max {v.max()}")
+        write(f"  candidates sorted a block: median {np.median(t[:, 12]):.0f}, "
+              f"max {t[:, 12].max()}")
+
+
 # ---------------------------------------------------------------- build_tree, threshold select
 def threshold_edits():
     syncs = {
@@ -290,6 +400,7 @@ def main():
     name = cuda.get_current_device().name
     write(f"phase_clock on {name.decode() if isinstance(name, bytes) else name}")
     resident_report(write)
+    filtered_report(write)
     threshold_report(write)
     with open(os.path.join(out_dir, "phase_clock.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -31,6 +31,18 @@ def main():
 
 
 
+def topk_batch(bf16: bool = False, bs: int = 64, k: int = 256):
+    """draft_topk at bs ``bs``, L 15, V 163 840 (ncu: regex:whole_row_kernel; at bs 64 the
+    default is the one-pass kernel); ``--bf16``: bfloat16 logits."""
+    import torch
+
+    x = torch.randn((bs, 15, 163_840), device="cuda") * 3
+    logits = x.to(torch.bfloat16) if bf16 else K.as_device(x)
+    for _ in range(2):                      # the first call compiles
+        K.draft_topk(logits, k)
+    cuda.synchronize()
+
+
 def attention(bf16: bool = False, N: int = 16, P: int = 1024):
     """One verify_attn launch at bs=1, N=16, prefix 1024, H=128 (ncu: regex:tiled);
     ``--bf16``: the cache stored as bfloat16 (the mma variant: regex:mma_kernel);
@@ -65,7 +77,9 @@ if __name__ == "__main__":
     def option(name, default):
         return int(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
 
-    if "--attention" in sys.argv:
+    if "--topk-batch" in sys.argv:
+        topk_batch("--bf16" in sys.argv, option("--bs", 64), option("--k", 256))
+    elif "--attention" in sys.argv:
         attention("--bf16" in sys.argv, option("--nodes", 16), option("--prefix", 1024))
     else:
         main()

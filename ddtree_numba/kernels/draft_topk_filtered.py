@@ -66,15 +66,16 @@ launcher refuses the variant otherwise. Rows of many equal logits (e.g. ``-inf``
 the fallback: a floor is a key, and ties at it are kept.
 
 Precision: tiles are dealt whole, so a lane sums at most ``V / (parts * FILTER_THREADS)`` terms
-plus one tile's share (``2 * WORDS`` logits); a rescale (at
-most one a tile) adds about three roundings; combining the threads adds about
-``log2(FILTER_THREADS) + 3``. A term is ``exp2((x - m) log2 e)``: the hardware's ``ex2``
-(relative error about ``2**-22``) after one multiply, whose rounding (and that of ``LOG2E``,
+plus one tile's share (``2 * WORDS`` logits); a rescale (at most one a tile) adds about three
+roundings; combining the threads adds about ``log2(FILTER_THREADS) + 3``. A term is
+``exp2((x - m) log2 e)``: the hardware's ``ex2`` (``_primitives.exp2_ftz``: relative error
+about ``2**-22``; terms below ``2**-126`` become 0, less than ``V * 2**-126`` of a sum that
+holds a term 1) after one multiply, whose rounding (and that of ``LOG2E``,
 ``1.1 * 2**-24`` relative) makes a relative error of about ``1.1 |x - m| 2**-23`` in the term;
 weighted by the terms (the softmax) ``|x - m|`` averages at most ``ln V``, so the sum gains at
 most ``(2 + 1.2 ln V) 2**-23`` relative error (about 16 units of float32 rounding at
-``V = 163 840``, against ~640 from the summation). ``tests/test_draft_topk.py``
-checks that bound.
+``V = 163 840``, against ~640 from the summation). ``tests/test_draft_topk.py`` checks that
+bound.
 
 Warp intrinsics (``ballot_sync``, ``shfl_sync``, ``syncwarp``): a GPU variant; the simulator
 runs it only through the tests' emulated shuffles.
@@ -85,7 +86,7 @@ from __future__ import annotations
 import functools
 import math
 
-from numba import cuda, float32, int32, int64, uint32, uint64
+from numba import cuda, float32, int32, uint32, uint64
 
 from ._device import SIMULATOR, kernel_for_block
 from ._primitives import (
@@ -94,8 +95,10 @@ from ._primitives import (
     block_max,
     block_scan_scratch,
     block_sum,
+    exp2_ftz,
     float_of_key,
     orderable_key,
+    shr_u32,
     sort_desc_any,
     warp_inclusive_scan,
     warp_max_key,
@@ -224,6 +227,7 @@ def _compact_and_share(buf, base, n, floor, need, hist, hbase, lane, lanes_below
 def _make_filtered_kernels(bf16: bool):
     """``(whole_row_kernel, part_kernel)`` of the one-pass select, float32 or bfloat16."""
     per_word = 4 if bf16 else 2             # logits in an 8-byte word
+    WORD_SHIFT = 2 if bf16 else 1           # log2(per_word)
     # 8-byte loads a lane a tile: 2 * WORDS logits for either type (bfloat16 with 4 * WORDS
     # would hold 32 logits a lane in registers twice over and spill on sm_90)
     LOADS = 2 * WORDS // per_word
@@ -238,13 +242,14 @@ def _make_filtered_kernels(bf16: bool):
         return uint32((word >> uint64(32 * j)) & uint64(0xFFFFFFFF))
 
     @cuda.jit(device=True, inline=True)
-    def pass_mask(word, tile, lane, whi, cut):
+    def pass_mask(word, left, cut):
         """Bit ``u * per_word + j`` set where logit ``j`` of the lane's word ``u`` of the tile
-        exists and is not below ``cut`` (``not x < cut``: a NaN passes). At most 32 logits a
-        lane; the loops unroll, so ``word`` stays in registers."""
+        exists (``u * 32 < left``, the words of the slice from the lane's first one) and is not
+        below ``cut`` (``not x < cut``: a NaN passes). At most 32 logits a lane; the loops
+        unroll, so ``word`` stays in registers."""
         passing = uint32(0)
         for u in range(LOADS):
-            valid = tile + u * 32 + lane < whi
+            valid = int32(u * 32) < left
             for j in range(per_word):
                 if valid and not bits_to_float(value_bits(word[u], j)) < cut:
                     passing |= uint32(1) << uint32(u * per_word + j)
@@ -276,24 +281,28 @@ def _make_filtered_kernels(bf16: bool):
         word = cuda.local.array(LOADS, uint64)     # the tile being filtered
         ahead = cuda.local.array(LOADS, uint64)    # the warp's next tile, in flight meanwhile
         stride = WARPS * 32 * LOADS                 # words between a warp's tiles
-        # Loads index with uint64 (at_word): numba adds a negative-index wrap to every signed
-        # index
+        # Loads index with uint64: numba adds a negative-index wrap to every signed index.
+        # Lane `lane`'s word u of the tile at `tile` is words[tile + u * 32 + lane]; it exists
+        # when u * 32 < left = whi - tile - lane (a 32-bit compare: a slice is < 2**31 words)
         lane64 = uint64(lane)
-        whi64 = uint64(whi)
         tile = wlo + warp * 32 * LOADS
+        left = int32(whi - tile) - int32(lane)
         for u in range(LOADS):                      # the first tile's loads
-            at_word = uint64(tile + u * 32) + lane64
-            ahead[u] = words[at_word] if at_word < whi64 else neg_inf_word
+            ahead[u] = (words[uint64(tile) + lane64 + uint64(u * 32)]
+                        if int32(u * 32) < left else neg_inf_word)
         while tile < whi:
             for u in range(LOADS):
                 word[u] = ahead[u]
+            left = int32(whi - tile) - int32(lane)
+            left_ahead = int32(left - stride)
             # issue the next tile's loads before using this one (a word past whi reads as
             # -inf and is never loaded), so that DRAM latency overlaps the work below
             for u in range(LOADS):
-                at_word = uint64(tile + stride + u * 32) + lane64
-                ahead[u] = words[at_word] if at_word < whi64 else neg_inf_word
+                ahead[u] = (words[uint64(tile + stride) + lane64 + uint64(u * 32)]
+                            if int32(u * 32) < left_ahead else neg_inf_word)
             # online log-sum-exp (a missing word reads as -inf: no term, no max); the terms
-            # as exp2((x - m) log2 e), one multiply and one MUFU.EX2 (see the precision note)
+            # as exp2((x - m) log2 e): one multiply and one MUFU.EX2, flushing results below
+            # 2**-126 to 0 (see the precision note)
             tile_max = NEG_INF
             for u in range(LOADS):
                 for j in range(per_word):
@@ -305,10 +314,10 @@ def _make_filtered_kernels(bf16: bool):
             if m > NEG_INF:
                 for u in range(LOADS):
                     for j in range(per_word):
-                        s += math.exp2((bits_to_float(value_bits(word[u], j)) - m) * LOG2E)
+                        s += exp2_ftz((bits_to_float(value_bits(word[u], j)) - m) * LOG2E)
             # the filter: keys >= max(own floor, the block's)
             cut = _cut_of(max(floor, floor_b[0]))
-            passing = pass_mask(word, tile, lane, whi, cut)
+            passing = pass_mask(word, left, cut)
             mine = cuda.popc(passing)
             if cuda.ballot_sync(FULL_MASK, mine > 0) == 0:
                 tile += stride              # (uniform: the whole warp skips)
@@ -319,24 +328,29 @@ def _make_filtered_kernels(bf16: bool):
                 # make room first: compact (raising the floor), then filter the tile again
                 n, floor, cut = _compact_and_share(buf, base, n, floor, kk, hist, hbase, lane,
                                                    lanes_below, floor_b)
-                passing = pass_mask(word, tile, lane, whi, cut)
+                passing = pass_mask(word, left, cut)
                 mine = cuda.popc(passing)
                 end = warp_inclusive_scan(int32(mine), lane)
                 arriving = cuda.shfl_sync(FULL_MASK, end, 31)
             if n + arriving <= WARP_CAP:
                 # fast append: lane l writes its passing logits at n + (those of the lanes
-                # below l), lowest bit first; each one's word is read again (an L1 hit: it
-                # was just loaded), as indexing `word` at run time would use local memory
+                # below l), lowest bit first. The word is picked from the registers by a
+                # chain of selects (indexing `word` at run time would put it in local memory;
+                # reading it again from global memory waits on a load each logit)
                 at = base + n + end - mine
-                left = passing
-                while left != 0:
-                    q = cuda.ffs(left) - 1          # the lowest passing position
-                    left &= left - uint32(1)
-                    j = q % per_word
-                    at_word = uint64(tile + (q // per_word) * 32) + lane64
-                    v = int64(at_word) * per_word + j   # the logit's id in the row
-                    buf[at] = ((uint64(orderable_key(value_bits(words[at_word], j)))
-                                << uint64(32))
+                first_id = (tile + lane) * per_word     # the id of the lane's first logit
+                pending = passing
+                while pending != 0:
+                    q = cuda.ffs(pending) - 1       # the lowest passing position
+                    pending = uint32(pending & (pending - uint32(1)))   # (32 bits)
+                    u = shr_u32(q, WORD_SHIFT)      # q = u * per_word + j
+                    j = q & (per_word - 1)
+                    picked = word[0]
+                    for w in range(1, LOADS):
+                        if u == w:
+                            picked = word[w]
+                    v = first_id + u * (32 * per_word) + j     # the logit's id in the row
+                    buf[at] = ((uint64(orderable_key(value_bits(picked, j))) << uint64(32))
                                | uint64(0xFFFFFFFF - v))
                     at += 1
                 n += arriving
