@@ -15,10 +15,11 @@ Three kernels:
   120 blocks of each phase, the number of candidates sorted, and the last block's merge, with
   marks inside it (``draft_topk.merge_parts``: its loads, the log-sum-exp, each round).
 * ``draft_topk``'s one-pass kernel (``variant="filtered"``, whole rows a block), bs 64, L 15,
-  V 163 840, K 256 and 16, float32 and bfloat16: the launch's span and its waves of blocks
+  V 163 840, float32 K 256 and 16, bfloat16 K 256: the launch's span and its waves of blocks
   (``%globaltimer``), each phase of a block (the loop, the block's log-sum-exp, the radix
-  select, the gather, the sort, the write), each warp's loop and how many of its tiles appended,
-  compacted or took the slow append.
+  select, the gather, the sort, the write; blocks that took the two-pass fall-back are left
+  out), each warp's loop, how many of its tiles appended or took the slow append, and its
+  compactions before a fast append (those inside a slow append are not counted).
 * ``build_tree``'s threshold select, on ``bench_build_tree.py``'s inputs, one line per budget.
   Codes: ``1`` root and row 0; ``100 + d`` level ``d``'s count; ``200 + d`` a floor rise (the
   radix select); ``300 + d`` the compaction after it; ``400 + d`` the expansion; ``500 + d``
@@ -221,7 +222,7 @@ FILTERED_PHASES = ["start", "state reset", "loop (slowest warp) and lse", "radix
 def filtered_edits():
     """Marks 0-6 (thread 0: the block's phases), 10/11 (``%globaltimer`` at its start and end),
     12 (candidates sorted), and per warp ``w``: 16 + w its loop's end, 24 + w its tiles that
-    appended, 32 + w its compactions, 40 + w its slow appends."""
+    appended, 32 + w its compactions before a fast append, 40 + w its slow appends."""
     sig = ("    def filter_select(words, bits, wlo, whi, k, tid, buf, top, hist, scratch, result, "
            "red_u,\n                      red_f, n_cand, counts, floor_b):")
     reset = ("        cuda.syncthreads()                  # block state reset before any warp "
@@ -293,15 +294,18 @@ def filtered_report(write):
         ghz = np.median((t[:, 6] - t[:, 0]) / (end - begin))
         block_us = (end - begin) / 1e3
         starts = np.sort(begin - begin.min()) / 1e3
-        waves = ", ".join(f"{starts[i]:.0f}" for i in range(0, rows, 132))
+        wave = cuda.get_current_device().MULTIPROCESSOR_COUNT * marked.BLOCKS_PER_SM
+        waves = ", ".join(f"{starts[i]:.0f}" for i in range(0, rows, wave))
         name = "bfloat16" if bf16 else "float32"
         gbs = rows * V * x.element_size() / (span_us * 1e-6) / 1e9
         write(f"\ndraft_topk one pass, bs {bs}, L {L}, V {V}, k {k}, {name}: {span_us:.0f} us "
               f"from the first block's start to the last one's end ({gbs:.0f} GB/s; clock "
               f"{ghz:.2f} GHz)\n  a block: median {np.median(block_us):.1f} us, max "
               f"{block_us.max():.1f}; blocks running at once, mean over the span: "
-              f"{block_us.sum() / span_us:.0f}; block i*132 started at (us): {waves}")
-        phases = np.diff(t[:, :7], axis=1) / ghz / 1e3
+              f"{block_us.sum() / span_us:.0f} of {wave}; block i*{wave} started at (us): "
+              f"{waves}")
+        selected = t[:, 4] > 0                  # (a fall-back block has no marks 4 and 5)
+        phases = np.diff(t[selected, :7], axis=1) / ghz / 1e3
         for i in range(6):
             write(f"  {FILTERED_PHASES[i]:>28} -> {FILTERED_PHASES[i + 1]:<28} median "
                   f"{np.median(phases[:, i]):7.2f} us, max {phases[:, i].max():7.2f}")

@@ -58,17 +58,17 @@ caller's buffer must hold that many), then sorts; the padding sinks to the end.
 
 *Exponentials of a sum.* ``exp2_ftz(x)`` is ``2**x`` by the hardware's ``ex2.approx.ftz``: a
 relative error of about ``2**-22``, and results below ``2**-126`` are 0. A sum of ``exp(x - m)``
-over a row holds a term of 1, so a flushed term changes it by less than ``V * 2**-126``; the
-form without ``ftz`` costs three more instructions a term for those results.
+over a row holds a term of 1, so a flushed term changes it by less than ``V * 2**-126``. The
+form without ``ftz`` costs three more instructions on every term, only to produce those.
 
 *Unfused products.* On a GPU, NVVM fuses a multiply whose result feeds an add into one
 fused multiply-add, rounded once, where numpy rounds the product and then the sum. Where a
 kernel must equal its numpy twin bit for bit, ``mul_rn(a, b)`` is the float32 product as
 libdevice's ``__fmul_rn``: ``mul.rn.f32``, which PTX never contracts into an FMA.
 
-Simulator: the bit casts and ``mul_rn`` have numpy versions and the block helpers run as they
-are; the warp max does not exist there (kernels that need it have a simulator-runnable variant
-instead).
+Simulator: the bit casts, ``mul_rn``, ``shr_u32`` and ``exp2_ftz`` have numpy versions and
+the block helpers run as they are; the warp max does not exist there (kernels that need it
+have a simulator-runnable variant instead).
 """
 
 from __future__ import annotations

@@ -31,8 +31,9 @@ for each ``u``; ``LOADS`` is ``WORDS`` for float32 and ``WORDS / 2`` for bfloat1
 logits a lane either way). The loads of a warp's next tile are issued before its current tile
 is used (``ahead``, then copied to ``word``): ``LOADS`` 8-byte loads stay in flight a lane while it
 computes, so DRAM latency overlaps the work. Each lane marks the logits at or above the filter
-in a bit mask ``passing``. If no lane has one (``ballot``: the common case once the floor is
-up) the tile costs its loads, its max and its ``exp``. Otherwise a warp scan of the lanes'
+in a bit mask ``passing``. If no lane has one (``ballot``: the case the filter is for; at bs 64,
+V 163 840, K 256 on the H200 every tile still had one, ``benchmarks/NOTES.md``) the tile costs
+its loads, its max and its ``exp``. Otherwise a warp scan of the lanes'
 counts places them: when all fit the held set, lane ``l`` writes its own at ``n +`` (those of
 the lanes below it), from registers (the *fast append*). When they would not fit, the tile is
 appended one value position at a time, a ``ballot`` of who passes and each passing lane
@@ -244,9 +245,10 @@ def _make_filtered_kernels(bf16: bool):
     @cuda.jit(device=True, inline=True)
     def pass_mask(word, left, cut):
         """Bit ``u * per_word + j`` set where logit ``j`` of the lane's word ``u`` of the tile
-        exists (``u * 32 < left``, the words of the slice from the lane's first one) and is not
-        below ``cut`` (``not x < cut``: a NaN passes). At most 32 logits a lane; the loops
-        unroll, so ``word`` stays in registers."""
+        exists (``u * 32 < left``, ``left`` the words from the lane's word 0 of the tile to the
+        slice's end) and is not below ``cut`` (``not x < cut``: a NaN passes). A lane holds
+        ``2 * WORDS`` logits (the mask has room for 32); the loops unroll, so ``word`` stays in
+        registers."""
         passing = uint32(0)
         for u in range(LOADS):
             valid = int32(u * 32) < left
@@ -282,8 +284,12 @@ def _make_filtered_kernels(bf16: bool):
         ahead = cuda.local.array(LOADS, uint64)    # the warp's next tile, in flight meanwhile
         stride = WARPS * 32 * LOADS                 # words between a warp's tiles
         # Loads index with uint64: numba adds a negative-index wrap to every signed index.
-        # Lane `lane`'s word u of the tile at `tile` is words[tile + u * 32 + lane]; it exists
-        # when u * 32 < left = whi - tile - lane (a 32-bit compare: a slice is < 2**31 words)
+        # Lane `lane`'s word u of the tile at `tile` is words[tile + u * 32 + lane] (bytes
+        # 8 (tile + u * 32 + lane) ..+7 of the row; logit j of it has id (tile + u * 32 + lane)
+        # per_word + j); it exists when u * 32 < left = whi - tile - lane. One compare a word:
+        # 32-bit for the next tile's loads (left_ahead); `left` is int64 as numba types
+        # int32 - int32, so the mask's compares are 64-bit (int32(whi - tile - lane) would
+        # narrow them; not yet measured)
         lane64 = uint64(lane)
         tile = wlo + warp * 32 * LOADS
         left = int32(whi - tile) - int32(lane)
