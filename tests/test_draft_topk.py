@@ -508,12 +508,6 @@ def test_the_default_takes_the_one_pass_kernel_where_it_was_measured_faster():
     assert not filtered_pays(1, FILTER_MIN_V_PER_K * 16 - 1, 16)
 
 
-def _orderable(x):
-    """The kernels' orderable key of float32 ``x``: larger float, larger key."""
-    b = np.asarray(x, np.float32).view(np.uint32)
-    return np.where(b >> 31, ~b, b | np.uint32(0x80000000)).astype(np.uint32)
-
-
 MERGE_CASES = [(1, 1), (3, 1), (2, 5), (8, 16), (2, 33), (5, 128), (2, 256), (8, 256), (64, 16)]
 
 
@@ -547,6 +541,7 @@ def check_merge(parts, k):
     from numba import cuda
 
     from ddtree_numba.kernels.draft_topk import TOPK_THREADS, _merge_kernel
+    from ddtree_numba.reference.build_tree_threshold import score_keys  # the kernels' keys
 
     rng = np.random.default_rng(parts * 1000 + k)
     rows = 2
@@ -560,7 +555,7 @@ def check_merge(parts, k):
         keep = rng.random(parts * k) < 0.8                     # shorter lists, some empty
         keep[: k] = True                                       # at least k keys in the row
         rng.shuffle(keep)
-        packed = (_orderable(x).astype(np.uint64) << np.uint64(32)) | (
+        packed = (score_keys(x).astype(np.uint64) << np.uint64(32)) | (
             np.uint64(0xFFFFFFFF) - ids.astype(np.uint64))
         for p in range(parts):
             mine = np.arange(p * k, (p + 1) * k)[keep[p * k:(p + 1) * k]]
