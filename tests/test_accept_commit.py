@@ -3,6 +3,8 @@ commit_kv (references) on one layer and on every layer of a 4-D cache; 16-bit ca
 of up to 44 moves; unchecked garbage stays in bounds; bad input named; nothing changed on
 error."""
 
+import importlib
+
 import numpy as np
 import pytest
 from cases import paged_cache, random_parents
@@ -79,6 +81,27 @@ def test_equals_tree_accept_then_commit_kv(seed, bs, N, layers, dtype, D, page_s
     np.testing.assert_array_equal(new_prefix.copy_to_host(), want_prefix)
     if N > 1:
         assert want_accept.accept_len.max() >= 1            # some rows really moved
+
+
+def test_a_grid_too_small_for_the_items_strides_over_them(monkeypatch):
+    """With one block a request (as when ``MAX_PARTS`` caps the grid) a thread moves its first
+    item with the AcceptResult rows between the reads and the writes, then strides over the
+    rest: 44 moves (several chunks) of 1.5 (layer, word) items a thread of the block."""
+    module = importlib.import_module("ddtree_numba.kernels.accept_commit")
+    monkeypatch.setattr(module, "MAX_PARTS", 1)
+    D = module.ACCEPT_COMMIT_THREADS                # 3 layers of D / 2 uint64 words: 1.5 x T
+    tree, predict, cache, table, prefix = problem("chain", 2, 90, 3, np.float32, D=D)
+    want_accept, want_cache, want_prefix = expected(tree, predict, cache, table, prefix)
+    got_cache = cache.copy()
+    res, new_prefix = K.accept_commit(tree.token_ids, tree.next_token, tree.next_sibling,
+                                      predict, got_cache, table, prefix)
+    assert module.as_words(K.as_device(cache)).shape[3] * 3 > module.ACCEPT_COMMIT_THREADS
+    got = res.to_host()
+    for field in FIELDS:
+        np.testing.assert_array_equal(getattr(got, field), getattr(want_accept, field),
+                                      err_msg=field)
+    assert got_cache.tobytes() == want_cache.tobytes()
+    np.testing.assert_array_equal(new_prefix.copy_to_host(), want_prefix)
 
 
 def test_device_cache_in_place_and_out_buffers():

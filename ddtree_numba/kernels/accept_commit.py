@@ -7,35 +7,36 @@ holds the path in shared memory. The moves, not the walk, are most of the work: 
 every layer, each row ``D`` elements. So the grid is ``(bs, parts)``, ``ACCEPT_COMMIT_THREADS``
 threads a block, and every block of request ``b``:
 
-0. issues the loads of the request's four rows (``tree_accept.load_rows``: registers), then
-   stages the window of ``b``'s block-table row that slots ``P .. P + N - 1`` fall on
-   (``first_page = P // page_size`` on), so that no move waits for a block-table load. The
-   window's loads need ``P``, the rows' do not: issued first, they wait in parallel with ``P``
-   and the window, and the phase costs two DRAM latencies (the earlier order, window first
-   and the rows in five load-then-store rounds of 256 threads, cost seven);
+0. issues the loads of the request's four rows (``tree_accept.load_rows``: registers), then,
+   once ``P`` is in, the load of its entry of the window of ``b``'s block-table row that slots
+   ``P .. P + N - 1`` fall on (``first_page = P // page_size`` on; entry ``tid``, a register
+   too), so that no move waits for a block-table load. The rows' loads need nothing, the
+   window's need ``P``: the phase costs one DRAM latency before the walk, and the window's
+   trip runs during the walk;
 1. stores the rows in shared memory and walks them in thread 0 (``tree_accept.greedy_walk``:
-   the same walk in every block of the request, from the same rows);
-2. block ``part = 0`` only: writes the ``AcceptResult`` rows (``tree_accept.write_accept_rows``)
-   and ``new_prefix_lens[b] = P + k + 1``;
-3. plans the moves as ``commit_kv`` does (``commit_kv.plan_moves``: each move's source and
+   the same walk in every block of the request, from the same rows); then stores the window;
+2. plans the moves as ``commit_kv`` does (``commit_kv.plan_moves``: each move's source and
    destination page and offset, computed once, by one thread a move, into shared memory, all
-   of them at once;
-   the 64-bit divisions of these addresses, made by every column's thread, were most of this
-   kernel's instructions), then makes its share of them. The cache is read as words
-   (``uint64`` where a row's bytes allow, else the element's bits: a move is a copy, not
-   arithmetic), and the moves of one (layer, word) column are one *item*: item ``it = layer
-   * W + w``. Thread ``tid`` of block ``part`` takes items ``part * T + tid``, then every
-   ``parts * T`` further, and moves each column as ``commit_kv`` does
-   (``commit_kv.commit_column``: the reads of up to eight moves, then their writes, in
-   ascending order). The launcher picks ``parts = ceil(items / T)``: one item per thread.
+   of them at once; the divisions of these addresses, made by every column's thread, were
+   most of this kernel's instructions once);
+3. makes its share of the moves. The cache is read as words (``uint64`` where a row's bytes
+   allow, else the element's bits: a move is a copy, not arithmetic), and the moves of one
+   (layer, word) column are one *item*: item ``it = layer * W + w``. Thread ``tid`` of block
+   ``part`` takes items ``part * T + tid``, then every ``parts * T`` further (the launcher
+   picks ``parts = ceil(items / T)``: one item per thread, unless the grid's limit caps it),
+   and moves each column as ``commit_kv`` does (``commit_kv.commit_column``: the reads of up
+   to ``CHUNK = 8`` moves, then their writes, in ascending order). For its first item a thread
+   issues the first chunk's reads, and while they are on their way, block ``part = 0`` writes
+   its share of the ``AcceptResult`` rows (``tree_accept.write_accept_rows``) and
+   ``new_prefix_lens[b]`` (``P + k + 1``); then the writes.
 
-Phase 3 has one barrier, after the plan: no two threads (of any block) touch the same word,
-and the path and the window were complete at the walk's last barrier. ``kv_cache`` is
+Three barriers after the walk's: the window stored (the plan reads it), the plan complete (every
+move reads it); no two threads (of any block) touch the same word of the cache. ``kv_cache`` is
 one layer ``[num_pages, page_size, D]`` or all of them, ``[layers, num_pages, page_size, D]``
 (the toy and DeepSeek-V3 targets keep theirs so). Unchecked inputs stay in bounds as in the
 two kernels it joins (links outside ``[1, N)`` end a list, every cache address is checked, window
 entries past the block-table row are ``-1``, a prefix that is no valid start commits nothing
-and keeps its length).
+and keeps its length: it plans no move).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from ..contracts import AcceptResult
 from ..limits import MAX_NODES
 from ..validation import check_accept_commit, require_new_lengths
 from ._device import SIMULATOR, as_device, device_empty, kernel_for_block, launch, launch_stream
-from .commit_kv import commit_column, plan_moves, valid_prefix
+from .commit_kv import CHUNK, commit_column, plan_moves, read_chunk, valid_prefix, write_chunk
 from .tree_accept import STAGE_ROUNDS, checked_out, greedy_walk, load_rows, write_accept_rows
 
 # 512 threads: a thread stages STAGE_ROUNDS = 3 entries of each row, 1536 >= N
@@ -59,7 +60,9 @@ assert SIMULATOR or STAGE_ROUNDS * ACCEPT_COMMIT_THREADS >= MAX_NODES
 MAX_PARTS = 65535                                   # the grid's y limit
 
 
-@kernel_for_block(ACCEPT_COMMIT_THREADS)           # registers capped so the block fits
+# Two blocks an SM: the cap is 64 registers (sm_120 took 65 uncapped once the moves' reads came
+# before the AcceptResult rows; 60-64 capped, no spills)
+@kernel_for_block(ACCEPT_COMMIT_THREADS, 2)
 def _accept_commit_kernel(token_ids, next_token, next_sibling, target_predict, kv_words,
                           block_table, prefix_lens, accept_nodes, accept_len, accept_tokens,
                           bonus_token, new_prefix_lens):
@@ -78,37 +81,53 @@ def _accept_commit_kernel(token_ids, next_token, next_sibling, target_predict, k
     pages = cuda.shared.array(MAX_NODES, int32)     # pages[w] = block_table[b, first_page + w]
 
     P = int64(prefix_lens[b])                       # int64: P + a never wraps around
-    # 0. the rows' loads, issued before anything waits for P: the window's loads (which need
-    # P) then overlap them, and the phase costs two DRAM latencies
+    # 0. the rows' loads, issued before anything waits for P
     held = load_rows(token_ids, next_token, next_sibling, target_predict, b, tid, threads, N)
     valid = valid_prefix(P, N)                      # else: commit nothing, keep P
     first_page = P // page_size
-    if valid:                                       # the window: <= N entries (P + N - 1
-        count = (P + N - 1) // page_size - first_page + 1      # spans at most N slots)
-        for w in range(tid, count, threads):
-            t = first_page + w
-            pages[w] = block_table[b, t] if t < block_table.shape[1] else -1
+    # the window: <= N entries (P + N - 1 spans at most N slots); entry tid's load is issued
+    # now and waited for after the walk, so that its DRAM trip overlaps the walk
+    count = (P + N - 1) // page_size - first_page + 1 if valid else int64(0)
+    t = first_page + tid
+    page = block_table[b, t] if tid < count and t < block_table.shape[1] else int32(-1)
     greedy_walk(token_ids, next_token, next_sibling, target_predict, held, b, tid, threads, N,
-                tok, path, result)                  # 1. (its barriers: window and path done)
+                tok, path, result)                  # 1. (its barriers: the path done)
     k = result[0]
-    if part == 0:                                   # 2.
+    if tid < count:
+        pages[tid] = page
+    for w in range(tid + threads, count, threads):  # pages of one or two slots only
+        t = first_page + w
+        pages[w] = block_table[b, t] if t < block_table.shape[1] else -1
+    # 2. the moves' rows, all of them at once (k <= N - 1 < MAX_NODES; 16.9 KB: this kernel's
+    # 512-thread blocks fit two an SM with it); none where the prefix is no valid start
+    moved = k if valid else 0
+    plan = cuda.shared.array((4, MAX_NODES), int32)
+    cuda.syncthreads()                              # the window in place before the plan
+    paging = (pages, first_page, int64(block_table.shape[1]) * page_size)
+    plan_moves(paging, path, N, P, 0, moved, kv_words.shape[1], page_size, plan, tid, threads)
+    cuda.syncthreads()                              # the plan complete before any move
+    # 3. this thread's first item: its first CHUNK sources loaded, and while they are on
+    # their way, block part 0's share of the AcceptResult rows; then the item's writes
+    words = kv_words.shape[3]
+    items = kv_words.shape[0] * words
+    vals = cuda.local.array(CHUNK, kv_words.dtype)  # a chunk's values (registers)
+    mine = part * threads + tid                     # this thread's first item
+    if mine < items:
+        layer = mine // words
+        read_chunk(kv_words[layer], plan, moved, mine - layer * words, vals, 0)
+    if part == 0:
         write_accept_rows(b, path, k, result[1], tok, tid, threads, N, accept_nodes,
                           accept_len, accept_tokens, bonus_token)
         if tid == 0:
             new_prefix_lens[b] = P + k + 1 if valid else P
-    if not valid:                                   # (the same for the whole block)
-        return
-    # 3. the moves' rows, all k of them at once (k <= N - 1 < MAX_NODES; 16.9 KB: this kernel's
-    # 512-thread blocks fit two an SM with it), then the moves
-    plan = cuda.shared.array((4, MAX_NODES), int32)
-    paging = (pages, first_page, int64(block_table.shape[1]) * page_size)
-    plan_moves(paging, path, N, P, 0, k, kv_words.shape[1], page_size, plan, tid, threads)
-    cuda.syncthreads()                              # the plan complete before any move
-    words = kv_words.shape[3]
-    for item in range(part * threads + tid, kv_words.shape[0] * words,
-                      cuda.gridDim.y * threads):
+    if mine < items:
+        layer = mine // words
+        write_chunk(kv_words[layer], plan, moved, mine - layer * words, vals, 0)
+        commit_column(kv_words[layer], plan, moved, mine - layer * words, vals, CHUNK)
+    # further items (only where a grid of MAX_PARTS blocks a request is too few)
+    for item in range(mine + cuda.gridDim.y * threads, items, cuda.gridDim.y * threads):
         layer = item // words
-        commit_column(kv_words[layer], plan, k, item - layer * words)
+        commit_column(kv_words[layer], plan, moved, item - layer * words, vals, 0)
 
 
 def as_words(cache):

@@ -9,7 +9,7 @@ the sequential ascending order. One thread per (request, column) does exactly th
 column, in chunks of ``CHUNK = 8`` moves held in registers (reads of a chunk, then its writes, in
 ascending order: still the sequential semantics). No two threads touch the same element, so
 no barrier is needed between moves. A move's addresses (source and destination page and
-offset: two block-table lookups and 64-bit divisions by the page size) are the same for every
+offset: two block-table lookups and divisions by the page size) are the same for every
 column, so the block first *plans* them (``plan_moves``: one thread a move, into shared
 memory, ``PLAN_MOVES`` at a time), then one barrier, then the columns move (and a barrier
 before the next round of the plan, when there is one). Rounds in ascending order keep the
@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, int32, int64
+from numba import cuda, int32, int64, uint32
 
 from ..limits import MAX_POSITION
 from ..validation import check_commit_kv, require_new_lengths
@@ -58,9 +58,14 @@ def plan_moves(paging, nodes, N, P, first, count, num_pages, page_size, plan, ti
     ``(plan[2, j], plan[3, j])``; ``plan[0, j] = -1``: no move (an address failed its check).
     ``paging = (pages, first_page, capacity)``: slot ``s`` (``0 <= s < capacity``) is on page
     ``pages[s // page_size - first_page]``. A move is the same for every column, so its
-    divisions (64-bit, a few dozen instructions each) are made once here and not by every
-    column's thread; the caller's barrier publishes the plan."""
+    divisions (about twenty instructions each in 32 bits; a 64-bit one is a call) are made once
+    here and not by every column's thread; the caller's barrier publishes the plan."""
     pages, first_page, capacity = paging
+    # A slot is below MAX_POSITION < 2**31 (the callers' valid_prefix), so its page and offset
+    # come from 32-bit unsigned divisions (the sm_90 build lost two calls of
+    # __cuda_sm20_div_s64 here); a page of more than 2**31 slots divides every slot as one of
+    # 2**31 does (page 0, offset the slot itself).
+    size = uint32(min(page_size, 0x80000000))
     for j in range(tid, count, threads):
         plan[0, j] = -1
         i = first + j + 1
@@ -68,13 +73,15 @@ def plan_moves(paging, nodes, N, P, first, count, num_pages, page_size, plan, ti
         src = P + a
         dst = P + i
         if 0 <= a < N and 0 <= src < capacity and 0 <= dst < capacity:
-            src_page = pages[src // page_size - first_page]
-            dst_page = pages[dst // page_size - first_page]
+            src_q = uint32(src) // size     # (numba types these uint64; LLVM narrows a
+            dst_q = uint32(dst) // size     # division of two widened uint32 back to 32 bits)
+            src_page = pages[int64(src_q) - first_page]
+            dst_page = pages[int64(dst_q) - first_page]
             if 0 <= src_page < num_pages and 0 <= dst_page < num_pages:
                 plan[0, j] = src_page
-                plan[1, j] = src % page_size
+                plan[1, j] = uint32(src) - uint32(src_q * size)
                 plan[2, j] = dst_page
-                plan[3, j] = dst % page_size
+                plan[3, j] = uint32(dst) - uint32(dst_q * size)
 
 
 @cuda.jit(device=True, inline=True)
@@ -92,33 +99,45 @@ def _write(kv_cache, plan, k, col, vals, i, j):
 
 
 @cuda.jit(device=True, inline=True)
-def commit_column(kv_cache, plan, k, col):
-    """The ``k`` planned moves (``plan_moves``) of one request for column ``col`` of a
-    ``[num_pages, page_size, D]`` cache. No other thread touches this column of these rows."""
-    # Registers, not local memory: vals is only ever indexed by the literal j of the calls
-    # below (spelled out rather than a loop, so that this holds whatever a compiler's
-    # unrolling heuristics decide; CUDA 13.0's NVVM left a loop here rolled for sm_120 and
-    # put the array on the stack).
-    vals = cuda.local.array(CHUNK, kv_cache.dtype)
-    for i0 in range(0, k, CHUNK):
-        # 1. read up to CHUNK sources (all loads in flight at once) ...
-        _read(kv_cache, plan, k, col, vals, i0, 0)
-        _read(kv_cache, plan, k, col, vals, i0 + 1, 1)
-        _read(kv_cache, plan, k, col, vals, i0 + 2, 2)
-        _read(kv_cache, plan, k, col, vals, i0 + 3, 3)
-        _read(kv_cache, plan, k, col, vals, i0 + 4, 4)
-        _read(kv_cache, plan, k, col, vals, i0 + 5, 5)
-        _read(kv_cache, plan, k, col, vals, i0 + 6, 6)
-        _read(kv_cache, plan, k, col, vals, i0 + 7, 7)
-        # 2. ... then write them in ascending i (a_i >= i: no read above saw a write)
-        _write(kv_cache, plan, k, col, vals, i0, 0)
-        _write(kv_cache, plan, k, col, vals, i0 + 1, 1)
-        _write(kv_cache, plan, k, col, vals, i0 + 2, 2)
-        _write(kv_cache, plan, k, col, vals, i0 + 3, 3)
-        _write(kv_cache, plan, k, col, vals, i0 + 4, 4)
-        _write(kv_cache, plan, k, col, vals, i0 + 5, 5)
-        _write(kv_cache, plan, k, col, vals, i0 + 6, 6)
-        _write(kv_cache, plan, k, col, vals, i0 + 7, 7)
+def read_chunk(kv_cache, plan, k, col, vals, i0):
+    """The sources of plan entries ``i0 .. i0 + CHUNK - 1`` (those below ``k`` that move), column
+    ``col``, into ``vals``: all loads in flight at once. ``vals`` stays in registers: it is only
+    ever indexed by the literal ``j`` of the calls below (spelled out rather than a loop, so
+    that this holds whatever a compiler's unrolling heuristics decide; CUDA 13.0's NVVM left a
+    loop here rolled for sm_120 and put the array on the stack)."""
+    _read(kv_cache, plan, k, col, vals, i0, 0)
+    _read(kv_cache, plan, k, col, vals, i0 + 1, 1)
+    _read(kv_cache, plan, k, col, vals, i0 + 2, 2)
+    _read(kv_cache, plan, k, col, vals, i0 + 3, 3)
+    _read(kv_cache, plan, k, col, vals, i0 + 4, 4)
+    _read(kv_cache, plan, k, col, vals, i0 + 5, 5)
+    _read(kv_cache, plan, k, col, vals, i0 + 6, 6)
+    _read(kv_cache, plan, k, col, vals, i0 + 7, 7)
+
+
+@cuda.jit(device=True, inline=True)
+def write_chunk(kv_cache, plan, k, col, vals, i0):
+    """``read_chunk``'s values to their destinations, in ascending ``i`` (``a_i >= i``: no read
+    of the chunk saw a write)."""
+    _write(kv_cache, plan, k, col, vals, i0, 0)
+    _write(kv_cache, plan, k, col, vals, i0 + 1, 1)
+    _write(kv_cache, plan, k, col, vals, i0 + 2, 2)
+    _write(kv_cache, plan, k, col, vals, i0 + 3, 3)
+    _write(kv_cache, plan, k, col, vals, i0 + 4, 4)
+    _write(kv_cache, plan, k, col, vals, i0 + 5, 5)
+    _write(kv_cache, plan, k, col, vals, i0 + 6, 6)
+    _write(kv_cache, plan, k, col, vals, i0 + 7, 7)
+
+
+@cuda.jit(device=True, inline=True)
+def commit_column(kv_cache, plan, k, col, vals, start):
+    """The planned moves ``start ..  k - 1`` (``plan_moves``) of one request for column ``col``
+    of a ``[num_pages, page_size, D]`` cache, ``CHUNK`` at a time: a chunk's reads, then its
+    writes (``vals``: a ``cuda.local.array(CHUNK)`` of the cache's type). No other thread
+    touches this column of these rows."""
+    for i0 in range(start, k, CHUNK):
+        read_chunk(kv_cache, plan, k, col, vals, i0)
+        write_chunk(kv_cache, plan, k, col, vals, i0)
 
 
 @cuda.jit(device=True, inline=True)
@@ -149,13 +168,14 @@ def _commit_kv_kernel(kv_layers, block_table, prefix_lens, accept_nodes, accept_
     paging = (block_table[b], int64(0), int64(block_table.shape[1]) * page_size)
     # the grid has a layer even for a stack of none, whose requests still get their lengths
     moves = layer < kv_layers.shape[0] and col < kv_layers.shape[3]
+    vals = cuda.local.array(CHUNK, kv_layers.dtype)     # a chunk's values (registers)
     for first in range(0, k, PLAN_MOVES):           # (k is the same for the whole block)
         count = min(PLAN_MOVES, k - first)
         plan_moves(paging, accept_nodes[b], N, P, first, count, num_pages, page_size, plan,
                    cuda.threadIdx.x, COMMIT_THREADS)
         cuda.syncthreads()                          # the plan complete before any move
         if moves:                                   # kv_layers[layer]: [num_pages, ...], a view
-            commit_column(kv_layers[layer], plan, count, col)
+            commit_column(kv_layers[layer], plan, count, col, vals, 0)
         cuda.syncthreads()                          # moves done before the plan is replaced
 
 

@@ -48,14 +48,16 @@ def write_accept_rows(b, path, k, bonus, tokens, tid, threads, N, accept_nodes, 
     if tid == 0:
         accept_len[b] = k
         bonus_token[b] = bonus
+    nodes_row = accept_nodes[b]                     # the rows' addresses, once
+    tokens_row = accept_tokens[b]
     for i in range(tid, N, threads):
-        accept_nodes[b, i] = path[i] if i <= k else -1
-        if i < k:
-            accept_tokens[b, i] = tokens[path[i + 1]]
-        elif i == k:
-            accept_tokens[b, i] = bonus
-        else:
-            accept_tokens[b, i] = -1
+        node = int32(-1)                            # past the path: -1 in both rows
+        token = int32(-1)
+        if i <= k:                                  # (a few threads: k <= L in practice)
+            node = path[i]
+            token = bonus if i == k else tokens[path[i + 1]]
+        nodes_row[i] = node
+        tokens_row[i] = token
 
 
 @cuda.jit(device=True, inline=True)
