@@ -65,6 +65,7 @@ def expected(tree, predict, cache, table, prefix):
     (7, 2, 25, 2, np.float32, 5, 4),            # 20-byte rows: moved as uint32
     (8, 2, 130, 2, np.float32, 12, 4),          # N > 3 x 32: the staging loop runs too
     ("chain", 2, 90, 2, np.float32, 12, 4),     # 44 overlapping moves: several plan passes
+    ("chain", 2, 90, 2, np.float32, 12, 1),     # a window of 90 pages, past a 32-thread block
 ])
 def test_equals_tree_accept_then_commit_kv(seed, bs, N, layers, dtype, D, page_size):
     tree, predict, cache, table, prefix = problem(seed, bs, N, layers, dtype,
@@ -84,18 +85,19 @@ def test_equals_tree_accept_then_commit_kv(seed, bs, N, layers, dtype, D, page_s
 
 
 def test_a_grid_too_small_for_the_items_strides_over_them(monkeypatch):
-    """With one block a request (as when ``MAX_PARTS`` caps the grid) a thread moves its first
-    item with the AcceptResult rows between the reads and the writes, then strides over the
-    rest: 44 moves (several chunks) of 1.5 (layer, word) items a thread of the block."""
+    """With two blocks a request where the items need three (as when ``MAX_PARTS`` caps the
+    grid) a thread moves its first item with the AcceptResult rows between the reads and the
+    writes, then strides over the rest by the grid's blocks: 44 moves (several chunks) of
+    ``3 T`` (layer, word) items, ``T`` threads a block."""
     module = importlib.import_module("ddtree_numba.kernels.accept_commit")
-    monkeypatch.setattr(module, "MAX_PARTS", 1)
-    D = module.ACCEPT_COMMIT_THREADS                # 3 layers of D / 2 uint64 words: 1.5 x T
+    monkeypatch.setattr(module, "MAX_PARTS", 2)
+    D = 2 * module.ACCEPT_COMMIT_THREADS            # 3 layers of D / 2 uint64 words: 3 T
     tree, predict, cache, table, prefix = problem("chain", 2, 90, 3, np.float32, D=D)
     want_accept, want_cache, want_prefix = expected(tree, predict, cache, table, prefix)
     got_cache = cache.copy()
     res, new_prefix = K.accept_commit(tree.token_ids, tree.next_token, tree.next_sibling,
                                       predict, got_cache, table, prefix)
-    assert module.as_words(K.as_device(cache)).shape[3] * 3 > module.ACCEPT_COMMIT_THREADS
+    assert module.as_words(K.as_device(cache)).shape[3] * 3 == 3 * module.ACCEPT_COMMIT_THREADS
     got = res.to_host()
     for field in FIELDS:
         np.testing.assert_array_equal(getattr(got, field), getattr(want_accept, field),
@@ -144,6 +146,20 @@ def test_unchecked_garbage_stays_in_bounds():
     k = res.accept_len.copy_to_host()
     assert ((0 <= k) & (k <= N - 1)).all()
     np.testing.assert_array_equal(new_prefix.copy_to_host()[[0, 2]], prefix[[0, 2]])
+
+
+def test_a_prefix_that_is_no_valid_start_commits_nothing():
+    """check=False with ``P = -1`` on a path of 44 moves: the slots ``P + i`` of every move but
+    the first are in range, yet no row moves (the cache unchanged byte for byte) and the
+    length stays."""
+    tree, predict, cache, table, _ = problem("chain", 2, 90, 2, np.float32)
+    prefix = np.full(2, -1, np.int32)
+    got = cache.copy()
+    res, new_prefix = K.accept_commit(tree.token_ids, tree.next_token, tree.next_sibling,
+                                      predict, got, table, prefix, check=False)
+    np.testing.assert_array_equal(res.accept_len.copy_to_host(), [44, 44])
+    assert got.tobytes() == cache.tobytes()
+    np.testing.assert_array_equal(new_prefix.copy_to_host(), prefix)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -10,9 +10,10 @@ threads a block, and every block of request ``b``:
 0. issues the loads of the request's four rows (``tree_accept.load_rows``: registers), then,
    once ``P`` is in, the load of its entry of the window of ``b``'s block-table row that slots
    ``P .. P + N - 1`` fall on (``first_page = P // page_size`` on; entry ``tid``, a register
-   too), so that no move waits for a block-table load. The rows' loads need nothing, the
-   window's need ``P``: the phase costs one DRAM latency before the walk, and the window's
-   trip runs during the walk;
+   too; entries from ``T`` on, which only pages of one or two slots make with ``T = 512``,
+   are loaded after the walk), so that no move waits for a block-table load. The rows'
+   loads need nothing, the window's need ``P``: the phase costs one DRAM latency before the
+   walk, and the window's trip runs during the walk;
 1. stores the rows in shared memory and walks them in thread 0 (``tree_accept.greedy_walk``:
    the same walk in every block of the request, from the same rows); then stores the window;
 2. plans the moves as ``commit_kv`` does (``commit_kv.plan_moves``: each move's source and
@@ -30,8 +31,9 @@ threads a block, and every block of request ``b``:
    its share of the ``AcceptResult`` rows (``tree_accept.write_accept_rows``) and
    ``new_prefix_lens[b]`` (``P + k + 1``); then the writes.
 
-Three barriers after the walk's: the window stored (the plan reads it), the plan complete (every
-move reads it); no two threads (of any block) touch the same word of the cache. ``kv_cache`` is
+Two barriers after the walk's two (the rows staged, the path done): the window stored (the
+plan reads it) and the plan complete (every move reads it); no two threads (of any block)
+touch the same word of the cache. ``kv_cache`` is
 one layer ``[num_pages, page_size, D]`` or all of them, ``[layers, num_pages, page_size, D]``
 (the toy and DeepSeek-V3 targets keep theirs so). Unchecked inputs stay in bounds as in the
 two kernels it joins (links outside ``[1, N)`` end a list, every cache address is checked, window
@@ -91,11 +93,11 @@ def _accept_commit_kernel(token_ids, next_token, next_sibling, target_predict, k
     t = first_page + tid
     page = block_table[b, t] if tid < count and t < block_table.shape[1] else int32(-1)
     greedy_walk(token_ids, next_token, next_sibling, target_predict, held, b, tid, threads, N,
-                tok, path, result)                  # 1. (its barriers: the path done)
+                tok, path, result)                  # 1. (barriers: rows staged, path done)
     k = result[0]
     if tid < count:
         pages[tid] = page
-    for w in range(tid + threads, count, threads):  # pages of one or two slots only
+    for w in range(tid + threads, count, threads):  # (512 threads: pages of 1 or 2 slots)
         t = first_page + w
         pages[w] = block_table[b, t] if t < block_table.shape[1] else -1
     # 2. the moves' rows, all of them at once (k <= N - 1 < MAX_NODES; 16.9 KB: this kernel's

@@ -24,10 +24,11 @@ contiguous bytes of a row (fp32).
 bfloat16 / float16 caches move as ``uint16`` bits (a copy needs no arithmetic).
 Addresses are bounds-checked (path node in ``[0, N)``, slot in ``[0, capacity)``, page in
 ``[0, num_pages)``), so unchecked device inputs cannot read or write out of bounds. Slots are
-computed in int64, so nothing wraps around. A row whose prefix ``P`` is no valid start
-(``P < 0`` or ``P + N > MAX_POSITION``, which the value checks reject) moves nothing and keeps
-its prefix: ``new_prefix_lens[b] = P``; any other row returns ``P + k + 1`` with ``k``
-clamped to ``[0, N - 1]``.
+computed in int64, so nothing wraps around, and divided by the page size in 32 bits: only a
+valid prefix plans moves, and it keeps every slot below ``MAX_POSITION < 2**31``. A row
+whose prefix ``P`` is no valid start (``P < 0`` or ``P + N > MAX_POSITION``, which the value
+checks reject) moves nothing and keeps its prefix: ``new_prefix_lens[b] = P``; any other row
+returns ``P + k + 1`` with ``k`` clamped to ``[0, N - 1]``.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ def plan_moves(paging, nodes, N, P, first, count, num_pages, page_size, plan, ti
     1``, reads row ``(plan[0, j], plan[1, j])`` (page, offset in the page) and writes row
     ``(plan[2, j], plan[3, j])``; ``plan[0, j] = -1``: no move (an address failed its check).
     ``paging = (pages, first_page, capacity)``: slot ``s`` (``0 <= s < capacity``) is on page
-    ``pages[s // page_size - first_page]``. A move is the same for every column, so its
+    ``pages[s // page_size - first_page]``. The caller's ``P`` is a valid prefix
+    (``valid_prefix``): every slot is then below ``2**31``, as the 32-bit divisions need. A
+    move is the same for every column, so its
     divisions (about twenty instructions each in 32 bits; a 64-bit one is a call) are made once
     here and not by every column's thread; the caller's barrier publishes the plan."""
     pages, first_page, capacity = paging
