@@ -60,9 +60,9 @@ def plan_moves(paging, nodes, N, P, first, count, num_pages, page_size, plan, ti
     ``paging = (pages, first_page, capacity)``: slot ``s`` (``0 <= s < capacity``) is on page
     ``pages[s // page_size - first_page]``. The caller's ``P`` is a valid prefix
     (``valid_prefix``): every slot is then below ``2**31``, as the 32-bit divisions need. A
-    move is the same for every column, so its
-    divisions (about twenty instructions each in 32 bits; a 64-bit one is a call) are made once
-    here and not by every column's thread; the caller's barrier publishes the plan."""
+    move is the same for every column, so its divisions (about twenty instructions each in 32
+    bits; a 64-bit one is a call) are made once here and not by every column's thread; the
+    caller's barrier publishes the plan."""
     pages, first_page, capacity = paging
     # A slot is below MAX_POSITION < 2**31 (the callers' valid_prefix), so its page and offset
     # come from 32-bit unsigned divisions (the sm_90 build lost two calls of
@@ -134,7 +134,7 @@ def write_chunk(kv_cache, plan, k, col, vals, i0):
 
 @cuda.jit(device=True, inline=True)
 def commit_column(kv_cache, plan, k, col, vals, start):
-    """The planned moves ``start ..  k - 1`` (``plan_moves``) of one request for column ``col``
+    """The planned moves ``start .. k - 1`` (``plan_moves``) of one request for column ``col``
     of a ``[num_pages, page_size, D]`` cache, ``CHUNK`` at a time: a chunk's reads, then its
     writes (``vals``: a ``cuda.local.array(CHUNK)`` of the cache's type). No other thread
     touches this column of these rows."""
