@@ -266,6 +266,29 @@ def warp_max_key(key):
 
 
 @cuda.jit(device=True, inline=True)
+def warp_max_f32(value):
+    """The largest float32 ``value`` of the warp, to every lane (the same five ``shfl.xor``
+    steps as :func:`warp_max_key`; a NaN is dropped by ``max`` wherever it meets a number)."""
+    offset = 16
+    while offset > 0:
+        value = max(value, cuda.shfl_xor_sync(FULL_MASK, value, offset))
+        offset //= 2
+    return value
+
+
+@cuda.jit(device=True, inline=True)
+def warp_sum_f32(value):
+    """The sum of one float32 a lane, to every lane: five ``shfl.xor`` steps. The two lanes of
+    a pair add the same two values in either order (float addition commutes), so every lane
+    ends with the same bits."""
+    offset = 16
+    while offset > 0:
+        value += cuda.shfl_xor_sync(FULL_MASK, value, offset)
+        offset //= 2
+    return value
+
+
+@cuda.jit(device=True, inline=True)
 def _block_max_u32_by_warps(red, value, tid, T):
     """Max of one uint32 a thread over a block of whole warps: a shuffle tree in each warp
     (lane ``l`` takes the max with lane ``l ^ 16``, ``l ^ 8``, ...; every lane ends with the
@@ -287,10 +310,7 @@ def _block_sum_f32_by_warps(red, value, tid, T):
     """Sum of one float32 a thread, as :func:`_block_max_u32_by_warps`. Every thread adds the
     warp sums in the same order (warp 0 first) and the butterfly's two lanes of a pair add
     the same two values, so all threads get the same total, and one call always the same."""
-    offset = 16
-    while offset > 0:
-        value += cuda.shfl_xor_sync(FULL_MASK, value, offset)
-        offset //= 2
+    value = warp_sum_f32(value)
     if tid & 31 == 0:
         red[tid >> 5] = value
     cuda.syncthreads()                      # every warp's sum in place

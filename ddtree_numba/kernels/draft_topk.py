@@ -88,6 +88,8 @@ from ._primitives import (
     orderable_key,
     sort_desc_any,
     sync_warp,
+    warp_max_f32,
+    warp_sum_f32,
 )
 
 TOPK_THREADS = 32 if SIMULATOR else 512   # a power of two, at most MAX_THREADS
@@ -377,20 +379,13 @@ def _row_lse_by_warp(row_max, row_sum, parts, tid, stats):
         m1 = row_max[tid + 32] if tid + 32 < parts else NEG_INF
         s0 = row_sum[tid] if tid < parts else float32(0.0)
         s1 = row_sum[tid + 32] if tid + 32 < parts else float32(0.0)
-        big = max(m0, m1)
-        offset = 16
-        while offset > 0:
-            big = max(big, cuda.shfl_xor_sync(FULL_MASK, big, offset))
-            offset //= 2
+        big = warp_max_f32(max(m0, m1))
         total = float32(0.0)
         if m0 > NEG_INF:
             total += s0 * math.exp(m0 - big)
         if m1 > NEG_INF:
             total += s1 * math.exp(m1 - big)
-        offset = 16
-        while offset > 0:
-            total += cuda.shfl_xor_sync(FULL_MASK, total, offset)
-            offset //= 2
+        total = warp_sum_f32(total)
         if tid == 0:
             stats[0] = big + math.log(total) if big > NEG_INF else NEG_INF
 

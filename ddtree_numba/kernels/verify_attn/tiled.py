@@ -93,7 +93,7 @@ from numba.cuda import float32x4
 
 from ...limits import MAX_DC
 from .._device import SIMULATOR
-from .._primitives import FULL_MASK, bits_to_float, float_to_bits
+from .._primitives import bits_to_float, float_to_bits, warp_max_f32, warp_sum_f32
 from .readable import NEG_INF, _make_widen, _visible
 
 TILED_THREADS = 256     # 8 warps
@@ -215,8 +215,7 @@ def _softmax_row(soft, m, l, alpha, r, row, H, NH, n, bits, b, t0, t_end, P, lan
         sk = soft[4 * r + k] * sm_scale if ok else NEG_INF     # a select: NaN never mixes in
         soft[4 * r + k] = sk
         tile_max = max(tile_max, sk)
-    for offset in (16, 8, 4, 2, 1):                 # the row's max over the warp's 128 slots
-        tile_max = max(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, offset))
+    tile_max = warp_max_f32(tile_max)               # the row's max over the warp's 128 slots
     m_new = max(m[r], tile_max)
     rescale = float32(1.0)
     if m_new > NEG_INF:
@@ -226,8 +225,7 @@ def _softmax_row(soft, m, l, alpha, r, row, H, NH, n, bits, b, t0, t_end, P, lan
         p = math.exp(soft[4 * r + k] - m_new) if m_new > NEG_INF else float32(0.0)
         soft[4 * r + k] = p
         tile_sum += p
-    for offset in (16, 8, 4, 2, 1):                 # the row's sum over the warp's 128 slots
-        tile_sum += cuda.shfl_xor_sync(FULL_MASK, tile_sum, offset)
+    tile_sum = warp_sum_f32(tile_sum)               # the row's sum over the warp's 128 slots
     l[r] = l[r] * rescale + tile_sum
     m[r] = m_new
     alpha[r] = rescale
