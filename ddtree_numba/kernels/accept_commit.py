@@ -113,19 +113,21 @@ def _accept_commit_kernel(token_ids, next_token, next_sibling, target_predict, k
     words = kv_words.shape[3]
     items = kv_words.shape[0] * words
     vals = cuda.local.array(CHUNK, kv_words.dtype)  # a chunk's values (registers)
-    mine = part * threads + tid                     # this thread's first item:
-    layer = mine // words                           # its layer and its word of a row
-    col = mine - layer * words
+    mine = part * threads + tid                     # this thread's first item
+    # (its layer and word are worked out again after the AcceptResult rows: kept live across
+    # them, they cost sm_120 16 B of spills under the two-blocks-an-SM cap of 64 registers)
     if mine < items:
-        read_chunk(kv_words[layer], plan, moved, col, vals, 0)
+        layer = mine // words
+        read_chunk(kv_words[layer], plan, moved, mine - layer * words, vals, 0)
     if part == 0:
         write_accept_rows(b, path, k, result[1], tok, tid, threads, N, accept_nodes,
                           accept_len, accept_tokens, bonus_token)
         if tid == 0:
             new_prefix_lens[b] = P + k + 1 if valid else P
     if mine < items:
-        write_chunk(kv_words[layer], plan, moved, col, vals, 0)
-        commit_column(kv_words[layer], plan, moved, col, vals, CHUNK)
+        layer = mine // words
+        write_chunk(kv_words[layer], plan, moved, mine - layer * words, vals, 0)
+        commit_column(kv_words[layer], plan, moved, mine - layer * words, vals, CHUNK)
     # further items (only where a grid of MAX_PARTS blocks a request is too few)
     for item in range(mine + cuda.gridDim.y * threads, items, cuda.gridDim.y * threads):
         layer = item // words
