@@ -267,8 +267,9 @@ def warp_max_key(key):
 
 @cuda.jit(device=True, inline=True)
 def warp_max_f32(value):
-    """The largest float32 ``value`` of the warp, to every lane (the same five ``shfl.xor``
-    steps as :func:`warp_max_key`; a NaN is dropped by ``max`` wherever it meets a number)."""
+    """The largest float32 ``value`` of the warp, to every lane: the same five ``shfl.xor``
+    steps as :func:`warp_max_key` (lane ``l`` takes the max with lane ``l ^ 16``, then
+    ``l ^ 8``, ...)."""
     offset = 16
     while offset > 0:
         value = max(value, cuda.shfl_xor_sync(FULL_MASK, value, offset))
