@@ -183,19 +183,39 @@ def filtered_case(case, rng):
         parts = 2                                       # 256 logits a warp again
     if case == "wide_span":
         x *= np.float32(1e30)                           # keys spread over many binades
+    if case == "guess_rising":
+        # 1 024 logits a row: a guess of rank 3 (thread t samples words t and 256 + t);
+        # rising, so the guess is word 285's larger logit, about 450 logits reach it, and
+        # every warp compacts above it
+        x = rng.standard_normal((1, 2, 1024)).astype(np.float32)
+        x[0, 0] = np.linspace(-30, 30, 1024)
+    if case == "guess_short":
+        # lanes 0-2 of each warp sample one large logit each (words 0-2 and 32-34), so the
+        # guess is 10 and only 6 logits reach it: fewer than k, the fallback's second read
+        x = rng.standard_normal((1, 2, 1024)).astype(np.float32)
+        x[0, :, [0, 2, 4, 64, 66, 68]] = 10.0
     return x, k, parts
 
 
 @pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated warp intrinsics")
+@pytest.mark.parametrize("guess", [True, False], ids=["guess", "no_guess"])
 @pytest.mark.parametrize("case", ["random", "k_max", "rising", "ties_fall_back", "few_ties",
-                                  "neg_inf", "signed_zeros", "k1", "split", "wide_span"])
-def test_filtered_kernel_on_emulated_warp_intrinsics(monkeypatch, case):
+                                  "neg_inf", "signed_zeros", "k1", "split", "wide_span",
+                                  "guess_rising", "guess_short"])
+def test_filtered_kernel_on_emulated_warp_intrinsics(monkeypatch, case, guess):
     """The one-pass kernel (ballots, shuffles) through the emulated warp intrinsics: ids
-    exact, log-probs within the bound, through compactions, the block's floor, and the
-    two-pass fallback where ties fill a warp or crowd the final sort."""
+    exact, log-probs within the bound, through compactions, the block's floor, the guessed
+    floor (trusted, raised by compactions, or reached by too few logits) and the two-pass
+    fallback where ties fill a warp or crowd the final sort. Without the guess, the small
+    rows' warps compact (with it, most of them fall back instead)."""
     from simulated_warp import emulated_shuffles, take_gpu_variant
 
+    import ddtree_numba.kernels.draft_topk_filtered as filtered
+
     take_gpu_variant(monkeypatch, "ddtree_numba.kernels.draft_topk")
+    if not guess:
+        made = filtered.filtered_kernels
+        monkeypatch.setattr(filtered, "filtered_kernels", lambda bf16: made(bf16, guess=False))
     x, k, parts = filtered_case(case, np.random.default_rng(zlib.crc32(case.encode())))
     with emulated_shuffles():
         check_kernel(x, k, parts, variant="filtered")
