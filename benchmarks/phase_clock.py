@@ -240,7 +240,7 @@ def filtered_edits():
                   "            marks[24 + warp] = appends\n"
                   "            marks[32 + warp] = compactions\n"
                   "            marks[40 + warp] = slow_tiles\n")
-    lse_done = "        cut_key = floor_b[0]\n"
+    lse_done = "        cut_key = max(floor_b[0], floor_b[1])\n"
     fallback = "        if counts[WARPS] != 0 or short or kk - need + ties > TOP_CAP:\n"
     gathered = "        cuda.syncthreads()                  # all gathered\n"
     sort = "        sort_desc_any(top, n_cand[0], tid, T)\n"

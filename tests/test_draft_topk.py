@@ -262,6 +262,18 @@ def test_filtered_kernel_writes_real_ids_for_unchecked_nan(monkeypatch):
         _, ids = K.draft_topk(x, 40, check=False, variant="filtered")
     ids = ids.copy_to_host()[0, 0]
     assert ((0 <= ids) & (ids < 512)).all() and len(set(ids.tolist())) == 40
+    # negative NaNs (bits 0xFFC00000, keys below -inf's) fill warp 0's first tile. They pass
+    # the guessed floor's filter, so the warp's held set fills and it compacts, but its
+    # histogram counts from the guess up, finds fewer than k keys and shares the guess as
+    # floor_b[0]: the end must count the held keys at or above it, not trust that floor
+    # (when it did, the final select ran over 28 keys for 40 and what it wrote depended on
+    # what shared memory held before: in one simulator run 12 ids came out -1)
+    x = np.random.default_rng(1).standard_normal((2, 512)).astype(np.float32)[1:][None]
+    x[0, 0, :128] = -np.float32(np.nan)
+    with emulated_shuffles():
+        _, ids = K.draft_topk(x, 40, check=False, variant="filtered")
+    finite = np.where(np.isnan(x), -np.inf, x)          # the NaNs rank below every logit
+    np.testing.assert_array_equal(ids.copy_to_host(), ref.draft_topk(finite, 40)[1])
 
 
 def test_filtered_variant_refuses_what_it_cannot_take(monkeypatch):

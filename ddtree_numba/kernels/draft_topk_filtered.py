@@ -67,28 +67,32 @@ ranks ``r``-th lowers ``floor_b[1]`` to it (a shared atomic min), so the guess i
 smallest of the warps' ``r``-th largest maxima, and each warp starts with it as its floor.
 
 Nothing makes the guess valid: ``kk`` logits of the slice need not reach it. It is checked at
-the end. Every logit at or above it is held (the filter drops only keys below the cut, which
-is never above ``max(guess, floor_b[0])``, and a compaction drops only keys below its new
-floor, which is at or above the guess), so the held logits contain the best ``kk`` when
-``floor_b[0]`` is a compaction's floor (valid: its warp held ``kk`` keys at or above it) or
-the warps hold at least ``kk`` logits in all; otherwise the block takes the two-pass fallback
-(a second read, exact). ``r = ceil((2 kk S / logits + 2) / 9)``, at most ``GUESS_MAX_RANK``
-(else no guess): in a model of the guess (8 warps; rows of normal, Gumbel and Zipf-shaped
-logits in random order) the share of a slice that reaches a rank-``r`` guess was about
-``(12.8 r + 7) / S`` at the median and ``(9 r - 2) / S`` at the first percentile, and this
-``r`` puts the first percentile at ``2 kk`` logits: at V 163 840, K 256, ``r = 2`` and
-~1 400 logits a row reach the guess (the fewest in 300 rows: 484); for K 16..128, ``r = 1``
-and ~800. A row whose large logits all avoid the sample's chunks pays the second read.
+the end. Every logit whose key is at or above ``cut = max(guess, floor_b[0])`` is held (the
+filter drops only keys below the cut, which never rises above that, and a compaction drops only
+keys below its new floor), so if at least ``kk`` held keys reach ``cut`` they include the best
+``kk``, and the final select runs over them; otherwise the block takes the two-pass fallback (a
+second read, exact). The held keys are counted (by the final select's first histogram) rather
+than trusting a compaction's floor: a compaction counts the warp's keys from its floor, the
+guess, up, but a NaN (outside the contract) whose key is below the guess's still passes the
+filter (``not x < cut``), so a warp can be full of keys its histogram does not see.
+
+``r = ceil((2 kk S / logits + 2) / 9)``, at most ``GUESS_MAX_RANK`` (else no guess): in a model
+of the guess (8 warps; rows of normal, Gumbel and Zipf-shaped logits in random order) the share
+of a slice that reaches a rank-``r`` guess was about ``(12.8 r + 7) / S`` at the median and
+``(9 r - 2) / S`` at the first percentile, and this ``r`` puts the first percentile at ``2 kk``
+logits: at V 163 840, K 256, ``r = 2`` and ~1 400 logits a row reach the guess (the fewest in
+300 rows: 484); for K 16..128, ``r = 1`` and ~800. A row whose large logits all avoid the
+sample's chunks pays the second read.
 
 **The end.** After a block barrier: the block's ``max`` and sum of ``exp`` (a block max of
 ``m``, each ``s`` rescaled to it, a block sum); an exact radix select (11 + 11 + 10 bits, the
-two-pass kernel's histogram and threshold search) over the held keys ``>= floor_b`` for the
-``kk``-th largest key; the held logits at or above the bin of that key (those above it and
-all in it, at most ``TOP_CAP``) gathered into ``top`` and sorted (bitonic, descending packed
-keys). Where a warp overflowed, or the ties at the ``kk``-th key do not fit ``TOP_CAP``
-(rows of many equal logits, e.g. all ``-inf``), the block runs the two-pass select on its
-slice instead (a second read of the slice, exact, with its ordered-ties path): correctness
-never depends on the data.
+two-pass kernel's histogram and threshold search) over the held keys at or above
+``max(floor_b[0], floor_b[1])`` for the ``kk``-th largest key; the held logits at or above the
+bin of that key (those above it and all in it, at most ``TOP_CAP``) gathered into ``top`` and
+sorted (bitonic, descending packed keys). Where a warp overflowed, fewer than ``kk`` held keys
+reach the guess, or the ties at the ``kk``-th key do not fit ``TOP_CAP`` (rows of many equal
+logits, e.g. all ``-inf``), the block runs the two-pass select on its slice instead (a second
+read of the slice, exact, with its ordered-ties path): correctness never depends on the data.
 
 Rows must be whole words (``V`` a multiple of 2 for float32, of 4 for bfloat16, 8-byte
 aligned) and ``k <= FILTER_MAX_K`` (a warp's held set must have room above ``k``); the
@@ -185,8 +189,10 @@ def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
     lo = floor                              # the bins cover [lo, hi] ...
     hi = top
     # ... in 256 bins of 2**shift keys. (uint32() throughout: numba widens uint32 - uint32
-    # to 64 bits, and clz of a 64-bit span would be 32 more, the shift 0, the bins past 255)
-    span = uint32(hi - lo)
+    # to 64 bits, and clz of a 64-bit span would be 32 more, the shift 0, the bins past 255).
+    # hi < lo only where every held key is a NaN below a guessed floor: no key is in range,
+    # the new floor is lo and the keep pass drops them all
+    span = uint32(hi - lo) if hi >= lo else uint32(0)
     shift = uint32(max(0, 24 - cuda.clz(span))) if span > 0 else uint32(0)
     above = 0                               # held keys above [lo, hi]
     b = 0
@@ -477,21 +483,22 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
         big = block_max(red_f, m, tid, T)
         total = block_sum(red_f, s * math.exp(m - big) if m > NEG_INF else float32(0.0),
                           tid, T)
-        cut_key = floor_b[0]
-        # Every logit at or above max(the guess, cut_key) is held. A compaction's floor is
-        # valid (its warp held kk keys at or above it), and is at or above the guess; with
-        # none (cut_key 0), the guess is valid only if kk logits reached it.
-        held = 0
-        for w in range(WARPS):
-            held += counts[w]
-        short = cut_key == 0 and held < kk
+        # Every logit whose key is at or above cut_key = max(floor_b[0], the guess) is held:
+        # the cut never rose above it, and a compaction drops only keys below its own floor.
+        # Without a guess, floor_b[0] is valid (a compaction's warp held kk keys at or above
+        # it). With one, neither need be (nothing makes the guess valid, and a NaN whose key
+        # is below the guess's can pass the filter, so a compaction over [guess, top] may
+        # find fewer than kk keys): the select's first level counts the held keys at or
+        # above cut_key, and fewer than kk take the fallback.
+        cut_key = max(floor_b[0], floor_b[1])
+        short = False
 
         # exact radix select of the kk-th largest held key >= cut_key (three levels)
         need = kk
         prefix = uint32(0)
         key_mask = uint32(0)
         ties = 0
-        if counts[WARPS] == 0 and not short:
+        if counts[WARPS] == 0:
             for level in range(3):
                 shift = uint32(LEVEL_SHIFT[level])
                 digit_mask = uint32(LEVEL_MASK[level])
@@ -504,8 +511,11 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
                         if key >= cut_key and (key & key_mask) == prefix:
                             cuda.atomic.add(hist, int32((key >> shift) & digit_mask), 1)
                 cuda.syncthreads()          # histogram complete
-                _find_threshold_digit(hist, int32(digit_mask) + 1, need, scratch, result,
-                                      tid, T)
+                in_range = _find_threshold_digit(hist, int32(digit_mask) + 1, need, scratch,
+                                                 result, tid, T)
+                if in_range < need:         # (level 0 only, the same in every thread)
+                    short = True            # fewer than kk held keys reach cut_key
+                    break
                 need -= result[1]
                 prefix |= uint32(result[0]) << shift
                 key_mask |= digit_mask << shift
@@ -519,8 +529,8 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
             # copied to top
             big, total, _ = select_top(bits, wlo * per_word, whi * per_word, k, tid, T, buf,
                                        hist, scratch, result, red_u, red_f, n_cand)
-            for r in range(tid, kk, T):
-                top[r] = buf[r]
+            for j in range(tid, kk, T):
+                top[j] = buf[j]
             cuda.syncthreads()              # top in place
             return big, total, kk
 
