@@ -276,6 +276,37 @@ def test_filtered_kernel_writes_real_ids_for_unchecked_nan(monkeypatch):
     np.testing.assert_array_equal(ids.copy_to_host(), ref.draft_topk(finite, 40)[1])
 
 
+@pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated warp intrinsics")
+@pytest.mark.parametrize("case", ["ties_at_the_cut", "nan_in_a_low_tile"])
+def test_filtered_cheap_exit_skips_only_tiles_nothing_of_can_pass(monkeypatch, case):
+    """The one-pass kernel's cheap exit (no lane's tile max reaches the cut) must not skip a
+    tile whose max *equals* the cut (its ties can be among the best k), nor one whose only
+    passing logit is a NaN (the max skips NaNs; the filter holds them, outside the contract)."""
+    from simulated_warp import emulated_shuffles, take_gpu_variant
+
+    take_gpu_variant(monkeypatch, "ddtree_numba.kernels.draft_topk")
+    if case == "ties_at_the_cut":
+        # 128 ones (every 8th logit) and -5 elsewhere: the guess is 1.0, the cut is exactly
+        # each tile's max; 2.0s in tiles 5-7 let 52 logits in, so nothing falls back,
+        # so a skipped tile would lose the lowest-id ones, which the best 40 are made of
+        x = np.full((1, 1, 1024), -5.0, np.float32)
+        x[0, 0, ::8] = 1.0
+        x[0, 0, [650, 800, 900, 1000]] = 2.0                # tiles 5, 6, 7 (128 logits a tile)
+        with emulated_shuffles():
+            _, ids = K.draft_topk(x, 40, variant="filtered")
+        np.testing.assert_array_equal(ids.copy_to_host(), ref.draft_topk(x, 40)[1])
+    else:
+        # the first tile (logits 0-127) all far below the guess but for one NaN: the NaN's
+        # key is the row's largest, so the held set, and the first id written, must have it
+        x = np.random.default_rng(3).standard_normal((1, 1, 1024)).astype(np.float32)
+        x[0, 0, :128] = -10.0
+        x[0, 0, 3] = np.nan
+        with emulated_shuffles():
+            _, ids = K.draft_topk(x, 40, check=False, variant="filtered")
+        ids = ids.copy_to_host()[0, 0]
+        assert ids[0] == 3 and ((0 <= ids) & (ids < 1024)).all() and len(set(ids)) == 40
+
+
 def test_filtered_variant_refuses_what_it_cannot_take(monkeypatch):
     from simulated_warp import take_gpu_variant
 

@@ -35,15 +35,17 @@ logits a lane either way). The loads of a warp's next tile are issued before its
 is used (``ahead``, then copied to ``word``): ``LOADS`` 8-byte loads stay in flight a lane while it
 computes, so DRAM latency overlaps the work. Each lane marks the logits at or above the filter
 in a bit mask ``passing``. If no lane has one (``ballot``: the case the filter is for; at bs 64,
-V 163 840, K 256 on the H200 every tile still had one, ``benchmarks/NOTES.md``) the tile costs
-its loads, its max and its ``exp``. Otherwise a warp scan of the lanes'
-counts places them: when all fit the held set, lane ``l`` writes its own at ``n +`` (those of
-the lanes below it), from registers (the *fast append*). When they would not fit, the tile is
-appended one value position at a time, a ``ballot`` of who passes and each passing lane
-writing at ``n + popc(ballot & lanes_below)``, compacting whenever the next position would not
-fit (the *slow append*: a few tiles a row). The filter is ``not (x < cut)``: a NaN (outside
-the contract, but a device array is not checked by default) is held, never dropped, so the
-held set always contains the slice's best ``kk`` by key and every id written is a real one.
+V 163 840, K 256 on the H200 every tile still had one before the guessed floor below,
+``benchmarks/NOTES.md``) the tile costs its loads, its max and its ``exp``; and where no lane's
+tile max reaches the cut (one ``ballot`` before the per-logit compares) not even the mask.
+Otherwise a warp scan of the lanes' counts places them: when all fit the held set, lane ``l``
+writes its own at ``n +`` (those of the lanes below it), from registers (the *fast append*).
+When they would not fit, the tile is appended one value position at a time, a ``ballot`` of who
+passes and each passing lane writing at ``n + popc(ballot & lanes_below)``, compacting whenever
+the next position would not fit (the *slow append*: a few tiles a row). The filter is
+``not (x < cut)``: a NaN (outside the contract, but a device array is not checked by default)
+is held, never dropped (a lane that has met one never takes the cheap exit), so the held set
+always contains the slice's best ``kk`` by key and every id written is a real one.
 ``floor_b`` is read without a fence: a stale value is a lower floor, still valid.
 
 **Compaction** (one warp, when an append would pass ``WARP_CAP``): find a key ``t`` with at
@@ -408,6 +410,13 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
                         s += exp2_ftz((bits_to_float(value_bits(word[u], j)) - m) * LOG2E)
             # the filter: keys >= max(own floor, the block's)
             cut = _cut_of(max(floor, floor_b[0]))
+            # first the cheap exit: no lane's tile max reaches the cut (nor has a lane met a
+            # NaN, which the max skips and the filter holds: then s is NaN, or m is still
+            # -inf), so no logit of the tile passes: skip the per-logit compares
+            reach = not tile_max < cut or not s == s or not m > NEG_INF
+            if cuda.ballot_sync(FULL_MASK, reach) == 0:
+                tile += stride              # (uniform: the whole warp skips)
+                continue
             passing = pass_mask(word, left, cut)
             mine = cuda.popc(passing)
             if cuda.ballot_sync(FULL_MASK, mine > 0) == 0:
