@@ -277,11 +277,12 @@ def test_filtered_kernel_writes_real_ids_for_unchecked_nan(monkeypatch):
 
 
 @pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated warp intrinsics")
-@pytest.mark.parametrize("case", ["ties_at_the_cut", "nan_in_a_low_tile"])
-def test_filtered_cheap_exit_skips_only_tiles_nothing_of_can_pass(monkeypatch, case):
+@pytest.mark.parametrize("case", ["ties_at_the_cut", "nan_in_a_low_tile", "nan_among_neg_inf"])
+def test_filtered_cheap_exit_keeps_every_tile_that_can_pass(monkeypatch, case):
     """The one-pass kernel's cheap exit (no lane's tile max reaches the cut) must not skip a
     tile whose max *equals* the cut (its ties can be among the best k), nor one whose only
-    passing logit is a NaN (the max skips NaNs; the filter holds them, outside the contract)."""
+    passing logit is a NaN (the max skips NaNs; the filter holds them, outside the contract),
+    whether the lane's running max is finite (then its sum is NaN) or still -inf."""
     from simulated_warp import emulated_shuffles, take_gpu_variant
 
     take_gpu_variant(monkeypatch, "ddtree_numba.kernels.draft_topk")
@@ -296,10 +297,11 @@ def test_filtered_cheap_exit_skips_only_tiles_nothing_of_can_pass(monkeypatch, c
             _, ids = K.draft_topk(x, 40, variant="filtered")
         np.testing.assert_array_equal(ids.copy_to_host(), ref.draft_topk(x, 40)[1])
     else:
-        # the first tile (logits 0-127) all far below the guess but for one NaN: the NaN's
-        # key is the row's largest, so the held set, and the first id written, must have it
+        # the first tile (logits 0-127) all far below the guess (or -inf) but for one NaN:
+        # the NaN's key is the row's largest, so the held set, and the first id written,
+        # must have it
         x = np.random.default_rng(3).standard_normal((1, 1, 1024)).astype(np.float32)
-        x[0, 0, :128] = -10.0
+        x[0, 0, :128] = -10.0 if case == "nan_in_a_low_tile" else -np.inf
         x[0, 0, 3] = np.nan
         with emulated_shuffles():
             _, ids = K.draft_topk(x, 40, check=False, variant="filtered")

@@ -44,8 +44,8 @@ When they would not fit, the tile is appended one value position at a time, a ``
 passes and each passing lane writing at ``n + popc(ballot & lanes_below)``, compacting whenever
 the next position would not fit (the *slow append*: a few tiles a row). The filter is
 ``not (x < cut)``: a NaN (outside the contract, but a device array is not checked by default)
-is held, never dropped (a lane that has met one never takes the cheap exit), so the held set
-always contains the slice's best ``kk`` by key and every id written is a real one.
+is held, never dropped (a lane that meets one in a tile skips the cheap exit there), so the
+held set always contains the slice's best ``kk`` by key and every id written is a real one.
 ``floor_b`` is read without a fence: a stale value is a lower floor, still valid.
 
 **Compaction** (one warp, when an append would pass ``WARP_CAP``): find a key ``t`` with at
