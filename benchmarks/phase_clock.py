@@ -215,18 +215,19 @@ def resident_report(write):
 
 
 # ---------------------------------------------------------------- draft_topk, one pass
-FILTERED_PHASES = ["start", "state reset", "loop (slowest warp) and lse", "radix select",
-                   "gather", "sort", "write"]
+FILTERED_PHASES = ["start", "state reset", "guessed floor", "loop (slowest warp) and lse",
+                   "radix select", "gather", "sort", "write"]
 
 
 def filtered_edits():
-    """Marks 0-6 (thread 0: the block's phases), 10/11 (``%globaltimer`` at its start and end),
+    """Marks 0-7 (thread 0: the block's phases), 10/11 (``%globaltimer`` at its start and end),
     12 (candidates sorted), and per warp ``w``: 16 + w its loop's end, 24 + w its tiles that
     appended, 32 + w its compactions before a fast append, 40 + w its slow appends."""
     sig = ("    def filter_select(words, bits, wlo, whi, k, tid, buf, top, hist, scratch, result, "
            "red_u,\n                      red_f, n_cand, counts, floor_b):")
     reset = ("        cuda.syncthreads()                  # block state reset before any warp "
              "reads it\n")
+    guessed = ("        cuda.syncthreads()                  # every warp's guess in floor_b[1]\n")
     start = "        m = NEG_INF\n        s = float32(0.0)\n"
     scan = ("            end = warp_inclusive_scan(int32(mine), lane)\n"
             "            arriving = cuda.shfl_sync(FULL_MASK, end, 31)\n"
@@ -239,8 +240,8 @@ def filtered_edits():
                   "            marks[24 + warp] = appends\n"
                   "            marks[32 + warp] = compactions\n"
                   "            marks[40 + warp] = slow_tiles\n")
-    lse_done = "        cut_key = floor_b[0]\n"
-    fallback = "        if counts[WARPS] != 0 or kk - need + ties > TOP_CAP:\n"
+    lse_done = "        cut_key = max(floor_b[0], floor_b[1])\n"
+    fallback = "        if counts[WARPS] != 0 or short or kk - need + ties > TOP_CAP:\n"
     gathered = "        cuda.syncthreads()                  # all gathered\n"
     sort = "        sort_desc_any(top, n_cand[0], tid, T)\n"
     kernel = "    def whole_row_kernel(words, bits, k, top_log_probs, top_token_ids):\n"
@@ -250,23 +251,24 @@ def filtered_edits():
                  "top_token_ids)\n\n    @kernel_for_block")
     return [(sig, sig.replace("floor_b):", "floor_b, marks):")),
             (reset, reset + mark(8, "1")),
+            (guessed, guessed + mark(8, "2")),
             (start, start + "        appends = 0\n        compactions = 0\n"
              "        slow_tiles = 0\n"),
             (scan, "            appends += 1\n" + scan),
             (room, room + "                compactions += 1\n"),
             (slow, "            slow_tiles += 1\n" + slow),
             (loop_end, warp_marks + loop_end),
-            (lse_done, mark(8, "2") + lse_done),
-            (fallback, mark(8, "3") + fallback),
-            (gathered, gathered + mark(8, "4") + "        if tid == 0:\n"
+            (lse_done, mark(8, "3") + lse_done),
+            (fallback, mark(8, "4") + fallback),
+            (gathered, gathered + mark(8, "5") + "        if tid == 0:\n"
              "            marks[12] = n_cand[0]\n"),
-            (sort, sort + mark(8, "5")),
+            (sort, sort + mark(8, "6")),
             (kernel, kernel.replace("top_token_ids):", "top_token_ids, all_marks):")),
             (body, body.replace("        buf,", "        marks = all_marks[row_id]\n"
                                 + mark(8, "10", fn="ns") + mark(8, "0") + "        buf,")),
             (call, call.replace("floor_b)", "floor_b, marks)")),
             (write_top, write_top.replace("\n\n    @kernel_for_block",
-                                          "\n" + mark(8, "6") + mark(8, "11", fn="ns")
+                                          "\n" + mark(8, "7") + mark(8, "11", fn="ns")
                                           + "\n    @kernel_for_block"))]
 
 
@@ -291,7 +293,7 @@ def filtered_report(write):
         t = marks.copy_to_host()
         begin, end = t[:, 10], t[:, 11]
         span_us = (end.max() - begin.min()) / 1e3
-        ghz = np.median((t[:, 6] - t[:, 0]) / (end - begin))
+        ghz = np.median((t[:, 7] - t[:, 0]) / (end - begin))
         block_us = (end - begin) / 1e3
         starts = np.sort(begin - begin.min()) / 1e3
         wave = cuda.get_current_device().MULTIPROCESSOR_COUNT * marked.BLOCKS_PER_SM
@@ -304,12 +306,13 @@ def filtered_report(write):
               f"{block_us.max():.1f}; blocks running at once, mean over the span: "
               f"{block_us.sum() / span_us:.0f} of {wave}; block i*{wave} started at (us): "
               f"{waves}")
-        selected = t[:, 4] > 0                  # (a fall-back block has no marks 4 and 5)
-        phases = np.diff(t[selected, :7], axis=1) / ghz / 1e3
-        for i in range(6):
+        selected = t[:, 5] > 0                  # (a fall-back block has no marks 5 and 6)
+        write(f"  blocks that took the two-pass fallback: {rows - selected.sum()} of {rows}")
+        phases = np.diff(t[selected, :8], axis=1) / ghz / 1e3
+        for i in range(7):
             write(f"  {FILTERED_PHASES[i]:>28} -> {FILTERED_PHASES[i + 1]:<28} median "
                   f"{np.median(phases[:, i]):7.2f} us, max {phases[:, i].max():7.2f}")
-        loops = (t[:, 16:24] - t[:, 1:2]) / ghz / 1e3
+        loops = (t[:, 16:24] - t[:, 2:3]) / ghz / 1e3
         write(f"  a warp's loop: median {np.median(loops):.1f} us, slowest of a block "
               f"median {np.median(loops.max(axis=1)):.1f}, fastest of a block median "
               f"{np.median(loops.min(axis=1)):.1f}")

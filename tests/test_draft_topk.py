@@ -183,19 +183,39 @@ def filtered_case(case, rng):
         parts = 2                                       # 256 logits a warp again
     if case == "wide_span":
         x *= np.float32(1e30)                           # keys spread over many binades
+    if case == "guess_rising":
+        # 1 024 logits a row: a guess of rank 3 (thread t samples words t and 256 + t);
+        # rising, so the guess is word 285's larger logit, about 450 logits reach it, and
+        # every warp compacts above it
+        x = rng.standard_normal((1, 2, 1024)).astype(np.float32)
+        x[0, 0] = np.linspace(-30, 30, 1024)
+    if case == "guess_short":
+        # lanes 0-2 of each warp sample one large logit each (words 0-2 and 32-34), so the
+        # guess is 10 and only 6 logits reach it: fewer than k, the fallback's second read
+        x = rng.standard_normal((1, 2, 1024)).astype(np.float32)
+        x[0, :, [0, 2, 4, 64, 66, 68]] = 10.0
     return x, k, parts
 
 
 @pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated warp intrinsics")
+@pytest.mark.parametrize("guess", [True, False], ids=["guess", "no_guess"])
 @pytest.mark.parametrize("case", ["random", "k_max", "rising", "ties_fall_back", "few_ties",
-                                  "neg_inf", "signed_zeros", "k1", "split", "wide_span"])
-def test_filtered_kernel_on_emulated_warp_intrinsics(monkeypatch, case):
+                                  "neg_inf", "signed_zeros", "k1", "split", "wide_span",
+                                  "guess_rising", "guess_short"])
+def test_filtered_kernel_on_emulated_warp_intrinsics(monkeypatch, case, guess):
     """The one-pass kernel (ballots, shuffles) through the emulated warp intrinsics: ids
-    exact, log-probs within the bound, through compactions, the block's floor, and the
-    two-pass fallback where ties fill a warp or crowd the final sort."""
+    exact, log-probs within the bound, through compactions, the block's floor, the guessed
+    floor (trusted, raised by compactions, or reached by too few logits) and the two-pass
+    fallback where ties fill a warp or crowd the final sort. Without the guess, the small
+    rows' warps compact (with it, most of them fall back instead)."""
     from simulated_warp import emulated_shuffles, take_gpu_variant
 
+    import ddtree_numba.kernels.draft_topk_filtered as filtered
+
     take_gpu_variant(monkeypatch, "ddtree_numba.kernels.draft_topk")
+    if not guess:
+        made = filtered.filtered_kernels
+        monkeypatch.setattr(filtered, "filtered_kernels", lambda bf16: made(bf16, guess=False))
     x, k, parts = filtered_case(case, np.random.default_rng(zlib.crc32(case.encode())))
     with emulated_shuffles():
         check_kernel(x, k, parts, variant="filtered")
@@ -242,6 +262,51 @@ def test_filtered_kernel_writes_real_ids_for_unchecked_nan(monkeypatch):
         _, ids = K.draft_topk(x, 40, check=False, variant="filtered")
     ids = ids.copy_to_host()[0, 0]
     assert ((0 <= ids) & (ids < 512)).all() and len(set(ids.tolist())) == 40
+    # negative NaNs (bits 0xFFC00000, keys below -inf's) fill warp 0's first tile. They pass
+    # the guessed floor's filter, so the warp's held set fills and it compacts, but its
+    # histogram counts from the guess up, finds fewer than k keys and shares the guess as
+    # floor_b[0]: the end must count the held keys at or above it, not trust that floor
+    # (when it did, the final select ran over 28 keys for 40 and what it wrote depended on
+    # what shared memory held before: in one simulator run 12 ids came out -1)
+    x = np.random.default_rng(1).standard_normal((2, 512)).astype(np.float32)[1:][None]
+    x[0, 0, :128] = -np.float32(np.nan)
+    with emulated_shuffles():
+        _, ids = K.draft_topk(x, 40, check=False, variant="filtered")
+    finite = np.where(np.isnan(x), -np.inf, x)          # the NaNs rank below every logit
+    np.testing.assert_array_equal(ids.copy_to_host(), ref.draft_topk(finite, 40)[1])
+
+
+@pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated warp intrinsics")
+@pytest.mark.parametrize("case", ["ties_at_the_cut", "nan_in_a_low_tile", "nan_among_neg_inf"])
+def test_filtered_cheap_exit_keeps_every_tile_that_can_pass(monkeypatch, case):
+    """The one-pass kernel's cheap exit (no lane's tile max reaches the cut) must not skip a
+    tile whose max *equals* the cut (its ties can be among the best k), nor one whose only
+    passing logit is a NaN (the max skips NaNs; the filter holds them, outside the contract),
+    whether the lane's running max is finite (then its sum is NaN) or still -inf."""
+    from simulated_warp import emulated_shuffles, take_gpu_variant
+
+    take_gpu_variant(monkeypatch, "ddtree_numba.kernels.draft_topk")
+    if case == "ties_at_the_cut":
+        # 128 ones (every 8th logit) and -5 elsewhere: the guess is 1.0, the cut is exactly
+        # each tile's max; 2.0s in tiles 5-7 let 52 logits in, so nothing falls back,
+        # so a skipped tile would lose the lowest-id ones, which the best 40 are made of
+        x = np.full((1, 1, 1024), -5.0, np.float32)
+        x[0, 0, ::8] = 1.0
+        x[0, 0, [650, 800, 900, 1000]] = 2.0                # tiles 5, 6, 7 (128 logits a tile)
+        with emulated_shuffles():
+            _, ids = K.draft_topk(x, 40, variant="filtered")
+        np.testing.assert_array_equal(ids.copy_to_host(), ref.draft_topk(x, 40)[1])
+    else:
+        # the first tile (logits 0-127) all far below the guess (or -inf) but for one NaN:
+        # the NaN's key is the row's largest, so the held set, and the first id written,
+        # must have it
+        x = np.random.default_rng(3).standard_normal((1, 1, 1024)).astype(np.float32)
+        x[0, 0, :128] = -10.0 if case == "nan_in_a_low_tile" else -np.inf
+        x[0, 0, 3] = np.nan
+        with emulated_shuffles():
+            _, ids = K.draft_topk(x, 40, check=False, variant="filtered")
+        ids = ids.copy_to_host()[0, 0]
+        assert ids[0] == 3 and ((0 <= ids) & (ids < 1024)).all() and len(set(ids)) == 40
 
 
 def test_filtered_variant_refuses_what_it_cannot_take(monkeypatch):

@@ -122,7 +122,9 @@ def _find_threshold_digit(hist, nbins, need, scratch, result, tid, T):
 
     Thread j owns ``per = ceil(nbins / T)`` bins counted from the top; a block scan of the
     per-thread sums tells the one thread whose range contains the crossing. Writes
-    ``result[0] = t``, ``result[1] = count(d > t)``, ``result[2] = hist[t]``.
+    ``result[0] = t``, ``result[1] = count(d > t)``, ``result[2] = hist[t]``, and returns
+    ``count(d >= 0)`` to every thread; where that is below ``need``, no digit qualifies and
+    ``result`` is left as it was.
     """
     per = (nbins + T - 1) // T
     top = nbins - 1 - tid * per             # this thread's bins: top, top - 1, ...
@@ -130,7 +132,7 @@ def _find_threshold_digit(hist, nbins, need, scratch, result, tid, T):
     for q in range(per):
         if top - q >= 0:
             local += hist[top - q]
-    incl, _ = block_inclusive_scan(scratch, local, tid, T)
+    incl, total = block_inclusive_scan(scratch, local, tid, T)
     excl = incl - local
     if excl < need and need <= incl:        # exactly one thread
         run = excl
@@ -144,6 +146,7 @@ def _find_threshold_digit(hist, nbins, need, scratch, result, tid, T):
                     break
                 run += hist[d]
     cuda.syncthreads()                      # result visible to all threads
+    return total
 
 
 # ------------------------------------------------------------------------------------------

@@ -10,8 +10,10 @@ logits that passed it.
 orderable keys of ``_primitives``). If at least ``k`` logits of the slice have a key ``>= t``,
 a logit whose key is below ``t`` is outranked by all of them and cannot be among the best
 ``k``: ``t`` is a *valid floor*. A logit whose key equals ``t`` may still be (smaller id), so
-it is kept. Every floor below is valid by construction, so the held logits always contain the
-slice's best ``k``; the result is the same ids as the reference, bit for bit.
+it is kept. Every floor below is valid by construction but one, the guessed floor, which is
+checked before the result trusts it; so the held logits always contain the slice's best ``k``
+(or the block reads its slice again), and the result is the same ids as the reference, bit
+for bit.
 
 Who touches what, for a block of ``FILTER_THREADS`` threads (``WARPS`` warps) on the slice of
 ``words[wlo:whi]`` of a row (a *word* is 8 bytes: two float32 or four bfloat16 logits)::
@@ -22,8 +24,9 @@ Who touches what, for a block of ``FILTER_THREADS`` threads (``WARPS`` warps) on
                  (key << 32 | ~id), its count n and its floor (all held keys >= floor), in
                  registers that every lane of the warp agrees on; warps never wait for each
                  other inside the loop (no block barrier there)
-    per block    floor_b: the largest floor any warp has found (a shared atomic max); every
-                 warp filters with max(own floor, floor_b)
+    per block    floor_b[0]: the largest floor any warp has found (a shared atomic max);
+                 every warp filters with max(own floor, floor_b[0]); floor_b[1]: the
+                 guessed floor, every warp's first own floor
 
 The loop: warp ``w`` takes tiles ``w, w + WARPS, ...`` of ``32 * LOADS`` words; lane ``l``
 loads words ``tile + u * 32 + l`` for ``u < LOADS`` (a 256-byte coalesced row across the warp
@@ -32,14 +35,16 @@ logits a lane either way). The loads of a warp's next tile are issued before its
 is used (``ahead``, then copied to ``word``): ``LOADS`` 8-byte loads stay in flight a lane while it
 computes, so DRAM latency overlaps the work. Each lane marks the logits at or above the filter
 in a bit mask ``passing``. If no lane has one (``ballot``: the case the filter is for; at bs 64,
-V 163 840, K 256 on the H200 every tile still had one, ``benchmarks/NOTES.md``) the tile costs
-its loads, its max and its ``exp``. Otherwise a warp scan of the lanes'
-counts places them: when all fit the held set, lane ``l`` writes its own at ``n +`` (those of
-the lanes below it), from registers (the *fast append*). When they would not fit, the tile is
-appended one value position at a time, a ``ballot`` of who passes and each passing lane
-writing at ``n + popc(ballot & lanes_below)``, compacting whenever the next position would not
-fit (the *slow append*: a few tiles a row). The filter is ``not (x < cut)``: a NaN (outside
-the contract, but a device array is not checked by default) is held, never dropped, so the
+V 163 840, K 256 on the H200 every tile still had one before the guessed floor below,
+``benchmarks/NOTES.md``) the tile costs its loads, its max and its ``exp``; and where no lane's
+tile max reaches the cut (one ``ballot`` before the per-logit compares) not even the mask.
+Otherwise a warp scan of the lanes' counts places them: when all fit the held set, lane ``l``
+writes its own at ``n +`` (those of the lanes below it), from registers (the *fast append*).
+When they would not fit, the tile is appended one value position at a time, a ``ballot`` of who
+passes and each passing lane writing at ``n + popc(ballot & lanes_below)``, compacting whenever
+the next position would not fit (the *slow append*: a few tiles a row). The filter is
+``not (x < cut)``: a NaN (outside the contract, but a device array is not checked by default)
+is held, never dropped (a lane that meets one in a tile skips the cheap exit there), so the
 held set always contains the slice's best ``kk`` by key and every id written is a real one.
 ``floor_b`` is read without a fence: a stale value is a lower floor, still valid.
 
@@ -51,15 +56,45 @@ the bin holding the ``k``-th key; while that bin is crowded (more than ``k + 32`
 above its lower edge) the next 8 bits refine it. The bin's lower edge is the new floor.
 If ties at one exact key keep the warp full even so, the block falls back (below).
 
+**The guessed floor.** A warp's own floor rises only as its held set fills: it is the
+``kk``-th best of the eighth of the slice that warp has read, raised at a compaction. At
+V 163 840, K 256 that let about 13 000 logits a row into the held sets and cost each warp
+about five compactions (``benchmarks/NOTES.md``), where a floor near the slice's ``kk``-th key
+would let in a few times ``kk``. So before the loop, while the first tile's loads are in
+flight, the block guesses one from a sample: thread ``t`` loads words ``wlo + u seg + t``
+(``u < LOADS``, ``seg = (whi - wlo) / LOADS``: ``LOADS`` coalesced chunks of
+``FILTER_THREADS`` words spread over the slice; ``S`` = 4 096 logits on a GPU, 2.5 % of a
+163 840-logit row) and takes the largest key among them; in each warp the lane whose maximum
+ranks ``r``-th lowers ``floor_b[1]`` to it (a shared atomic min), so the guess is the
+smallest of the warps' ``r``-th largest maxima, and each warp starts with it as its floor.
+
+Nothing makes the guess valid: ``kk`` logits of the slice need not reach it. It is checked at
+the end. Every logit whose key is at or above ``cut = max(guess, floor_b[0])`` is held (the
+filter drops only keys below the cut, which never rises above that, and a compaction drops only
+keys below its new floor), so if at least ``kk`` held keys reach ``cut`` they include the best
+``kk``, and the final select runs over them; otherwise the block takes the two-pass fallback (a
+second read, exact). The held keys are counted (by the final select's first histogram) rather
+than trusting a compaction's floor: a compaction counts the warp's keys from its floor, the
+guess, up, but a NaN (outside the contract) whose key is below the guess's still passes the
+filter (``not x < cut``), so a warp can be full of keys its histogram does not see.
+
+``r = ceil((2 kk S / logits + 2) / 9)``, at most ``GUESS_MAX_RANK`` (else no guess): in a model
+of the guess (8 warps; rows of normal, Gumbel and Zipf-shaped logits in random order) the share
+of a slice that reaches a rank-``r`` guess was about ``(12.8 r + 7) / S`` at the median and
+``(9 r - 2) / S`` at the first percentile, and this ``r`` puts the first percentile at ``2 kk``
+logits: at V 163 840, K 256, ``r = 2`` and ~1 400 logits a row reach the guess (the fewest in
+300 rows: 484); for K 16..128, ``r = 1`` and ~800. A row whose large logits all avoid the
+sample's chunks pays the second read.
+
 **The end.** After a block barrier: the block's ``max`` and sum of ``exp`` (a block max of
 ``m``, each ``s`` rescaled to it, a block sum); an exact radix select (11 + 11 + 10 bits, the
-two-pass kernel's histogram and threshold search) over the held keys ``>= floor_b`` for the
-``kk``-th largest key; the held logits at or above the bin of that key (those above it and
-all in it, at most ``TOP_CAP``) gathered into ``top`` and sorted (bitonic, descending packed
-keys). Where a warp overflowed, or the ties at the ``kk``-th key do not fit ``TOP_CAP``
-(rows of many equal logits, e.g. all ``-inf``), the block runs the two-pass select on its
-slice instead (a second read of the slice, exact, with its ordered-ties path): correctness
-never depends on the data.
+two-pass kernel's histogram and threshold search) over the held keys at or above
+``max(floor_b[0], floor_b[1])`` for the ``kk``-th largest key; the held logits at or above the
+bin of that key (those above it and all in it, at most ``TOP_CAP``) gathered into ``top`` and
+sorted (bitonic, descending packed keys). Where a warp overflowed, fewer than ``kk`` held keys
+reach the guess, or the ties at the ``kk``-th key do not fit ``TOP_CAP`` (rows of many equal
+logits, e.g. all ``-inf``), the block runs the two-pass select on its slice instead (a second
+read of the slice, exact, with its ordered-ties path): correctness never depends on the data.
 
 Rows must be whole words (``V`` a multiple of 2 for float32, of 4 for bfloat16, 8-byte
 aligned) and ``k <= FILTER_MAX_K`` (a warp's held set must have room above ``k``); the
@@ -126,6 +161,7 @@ LOG2E = float32(1.4426950408889634)       # exp(x) = exp2(x log2 e)
 WARP_BINS = 256                             # a compaction's histogram, per warp
 BLOCKS_PER_SM = 2                           # blocks an SM runs at once: <= 128 registers
 COUNTS = WARPS + 1                          # held per warp, and the overflow flag
+GUESS_MAX_RANK = 8                          # the guessed floor's rank in a warp, at most
 SCAN_SCRATCH = block_scan_scratch(FILTER_THREADS)
 assert WARPS * WARP_CAP <= SORT_CAP and WARPS * WARP_BINS <= BINS
 
@@ -155,8 +191,10 @@ def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
     lo = floor                              # the bins cover [lo, hi] ...
     hi = top
     # ... in 256 bins of 2**shift keys. (uint32() throughout: numba widens uint32 - uint32
-    # to 64 bits, and clz of a 64-bit span would be 32 more, the shift 0, the bins past 255)
-    span = uint32(hi - lo)
+    # to 64 bits, and clz of a 64-bit span would be 32 more, the shift 0, the bins past 255).
+    # hi < lo only where every held key is a NaN below a guessed floor: no key is in range,
+    # the new floor is lo and the keep pass drops them all
+    span = uint32(hi - lo) if hi >= lo else uint32(0)
     shift = uint32(max(0, 24 - cuda.clz(span))) if span > 0 else uint32(0)
     above = 0                               # held keys above [lo, hi]
     b = 0
@@ -225,8 +263,9 @@ def _compact_and_share(buf, base, n, floor, need, hist, hbase, lane, lanes_below
     return n, floor, _cut_of(max(floor, floor_b[0]))
 
 
-def _make_filtered_kernels(bf16: bool):
-    """``(whole_row_kernel, part_kernel)`` of the one-pass select, float32 or bfloat16."""
+def _make_filtered_kernels(bf16: bool, guess: bool = True):
+    """``(whole_row_kernel, part_kernel)`` of the one-pass select, float32 or bfloat16;
+    ``guess=False`` leaves out the guessed floor (the held sets' own floors only)."""
     per_word = 4 if bf16 else 2             # logits in an 8-byte word
     WORD_SHIFT = 2 if bf16 else 1           # log2(per_word)
     # 8-byte loads a lane a tile: 2 * WORDS logits for either type (bfloat16 with 4 * WORDS
@@ -258,6 +297,47 @@ def _make_filtered_kernels(bf16: bool):
         return passing
 
     @cuda.jit(device=True, inline=True)
+    def guess_rank(n_words, kk):
+        """``r``: the guessed floor is the smallest over the warps of the warp's ``r``-th
+        largest sample maximum; 0 (no guess) where the slice is shorter than the sample's
+        ``LOADS`` chunks of ``FILTER_THREADS`` words, or where ``r`` would pass
+        ``GUESS_MAX_RANK``. ``r = ceil((2 kk S / logits + 2) / 9)``, ``S`` the sample's
+        logits: with it, at most one row in a hundred of the module notes' model lets fewer
+        than ``2 kk`` logits reach the guess."""
+        logits = n_words * per_word
+        sample = FILTER_THREADS * LOADS * per_word
+        if not guess or n_words < LOADS * FILTER_THREADS:
+            return 0
+        r = (2 * kk * sample + 11 * logits - 1) // (9 * logits)
+        return r if r <= GUESS_MAX_RANK else 0
+
+    @cuda.jit(device=True, inline=True)
+    def guess_floor(words, wlo, whi, r, tid, red_u, floor_b):
+        """Warp-collective, every warp of the block: thread ``t`` loads words ``wlo + u seg +
+        t`` (``u < LOADS``, ``seg = (whi - wlo) // LOADS``: ``LOADS`` coalesced chunks of
+        ``FILTER_THREADS`` words spread over the slice) and takes the largest key of their
+        logits; the lane whose maximum ranks ``r``-th in its warp (ties: the lower lane
+        first) lowers ``floor_b[1]`` to it (a shared atomic min). ``red_u[tid]`` holds the
+        thread's maximum meanwhile."""
+        lane = tid & 31
+        warp = tid >> 5
+        seg = (whi - wlo) // LOADS
+        top_t = uint32(0)
+        for u in range(LOADS):
+            sampled = words[uint64(wlo + u * seg + tid)]
+            for j in range(per_word):
+                top_t = max(top_t, orderable_key(value_bits(sampled, j)))
+        red_u[tid] = top_t
+        cuda.syncwarp()                     # the warp's 32 maxima in place
+        rank = int32(0)                     # by reading all 32: broadcasts, no conflict
+        for other in range(32):
+            v = red_u[warp * 32 + other]
+            if v > top_t or (v == top_t and other < lane):
+                rank = int32(rank + 1)
+        if rank == r - 1:                   # ranks are distinct: one lane a warp
+            cuda.atomic.min(floor_b, 1, top_t)
+
+    @cuda.jit(device=True, inline=True)
     def filter_select(words, bits, wlo, whi, k, tid, buf, top, hist, scratch, result, red_u,
                       red_f, n_cand, counts, floor_b):
         """All threads call it; afterwards ``top[0:kk]`` holds the ``kk = min(k, logits)``
@@ -270,15 +350,16 @@ def _make_filtered_kernels(bf16: bool):
         hbase = warp * WARP_BINS
         lanes_below = (uint32(1) << uint32(lane)) - uint32(1)
         kk = min(k, (whi - wlo) * per_word)
+        r = guess_rank(whi - wlo, kk)       # (the same in every thread)
         if tid == 0:
             floor_b[0] = uint32(0)          # key 0: below every logit (no floor yet)
             counts[WARPS] = 0               # the overflow flag
+            floor_b[1] = uint32(0xFFFFFFFF) if r > 0 else uint32(0)     # the guessed floor
         cuda.syncthreads()                  # block state reset before any warp reads it
 
         m = NEG_INF
         s = float32(0.0)
         n = 0                               # held by this warp (uniform across its lanes)
-        floor = uint32(0)                   # every held key >= floor
         overflow = False
         word = cuda.local.array(LOADS, uint64)     # the tile being filtered
         ahead = cuda.local.array(LOADS, uint64)    # the warp's next tile, in flight meanwhile
@@ -296,6 +377,12 @@ def _make_filtered_kernels(bf16: bool):
         for u in range(LOADS):                      # the first tile's loads
             ahead[u] = (words[uint64(tile) + lane64 + uint64(u * 32)]
                         if int32(u * 32) < left else neg_inf_word)
+        # the guessed floor, while the first tile is on its way: a floor that is likely
+        # valid, checked at the end (fewer than kk held logits: the fallback)
+        if r > 0:
+            guess_floor(words, wlo, whi, r, tid, red_u, floor_b)
+        cuda.syncthreads()                  # every warp's guess in floor_b[1]
+        floor = floor_b[1]                  # every held key >= floor (0: none yet)
         while tile < whi:
             for u in range(LOADS):
                 word[u] = ahead[u]
@@ -323,6 +410,13 @@ def _make_filtered_kernels(bf16: bool):
                         s += exp2_ftz((bits_to_float(value_bits(word[u], j)) - m) * LOG2E)
             # the filter: keys >= max(own floor, the block's)
             cut = _cut_of(max(floor, floor_b[0]))
+            # first the cheap exit: no lane's tile max reaches the cut (nor has a lane met a
+            # NaN, which the max skips and the filter holds: then s is NaN, or m is still
+            # -inf), so no logit of the tile passes: skip the per-logit compares
+            reach = not tile_max < cut or not s == s or not m > NEG_INF
+            if cuda.ballot_sync(FULL_MASK, reach) == 0:
+                tile += stride              # (uniform: the whole warp skips)
+                continue
             passing = pass_mask(word, left, cut)
             mine = cuda.popc(passing)
             if cuda.ballot_sync(FULL_MASK, mine > 0) == 0:
@@ -398,7 +492,15 @@ def _make_filtered_kernels(bf16: bool):
         big = block_max(red_f, m, tid, T)
         total = block_sum(red_f, s * math.exp(m - big) if m > NEG_INF else float32(0.0),
                           tid, T)
-        cut_key = floor_b[0]
+        # Every logit whose key is at or above cut_key = max(floor_b[0], the guess) is held:
+        # the cut never rose above it, and a compaction drops only keys below its own floor.
+        # Without a guess, floor_b[0] is valid (a compaction's warp held kk keys at or above
+        # it). With one, neither need be (nothing makes the guess valid, and a NaN whose key
+        # is below the guess's can pass the filter, so a compaction over [guess, top] may
+        # find fewer than kk keys): the select's first level counts the held keys at or
+        # above cut_key, and fewer than kk take the fallback.
+        cut_key = max(floor_b[0], floor_b[1])
+        short = False
 
         # exact radix select of the kk-th largest held key >= cut_key (three levels)
         need = kk
@@ -418,8 +520,11 @@ def _make_filtered_kernels(bf16: bool):
                         if key >= cut_key and (key & key_mask) == prefix:
                             cuda.atomic.add(hist, int32((key >> shift) & digit_mask), 1)
                 cuda.syncthreads()          # histogram complete
-                _find_threshold_digit(hist, int32(digit_mask) + 1, need, scratch, result,
-                                      tid, T)
+                in_range = _find_threshold_digit(hist, int32(digit_mask) + 1, need, scratch,
+                                                 result, tid, T)
+                if in_range < need:         # (level 0 only, the same in every thread)
+                    short = True            # fewer than kk held keys reach cut_key
+                    break
                 need -= result[1]
                 prefix |= uint32(result[0]) << shift
                 key_mask |= digit_mask << shift
@@ -427,13 +532,14 @@ def _make_filtered_kernels(bf16: bool):
                 cuda.syncthreads()          # everyone read result before it is reused
                 if kk - need + ties <= TOP_CAP:
                     break
-        if counts[WARPS] != 0 or kk - need + ties > TOP_CAP:
-            # a warp overflowed, or too many ties at the kk-th key: the two-pass select on
-            # the slice (reads it again), its best kk copied to top
+        if counts[WARPS] != 0 or short or kk - need + ties > TOP_CAP:
+            # a warp overflowed, the guessed floor was too high, or too many ties at the
+            # kk-th key: the two-pass select on the slice (reads it again), its best kk
+            # copied to top
             big, total, _ = select_top(bits, wlo * per_word, whi * per_word, k, tid, T, buf,
                                        hist, scratch, result, red_u, red_f, n_cand)
-            for r in range(tid, kk, T):
-                top[r] = buf[r]
+            for j in range(tid, kk, T):
+                top[j] = buf[j]
             cuda.syncthreads()              # top in place
             return big, total, kk
 
@@ -465,7 +571,7 @@ def _make_filtered_kernels(bf16: bool):
         red_f = cuda.shared.array(FILTER_THREADS, float32)
         n_cand = cuda.shared.array(1, int32)
         counts = cuda.shared.array(COUNTS, int32)       # held per warp; [WARPS]: overflow
-        floor_b = cuda.shared.array(1, uint32)
+        floor_b = cuda.shared.array(2, uint32)          # [1]: the guessed floor
         return buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, floor_b
 
     @kernel_for_block(FILTER_THREADS, BLOCKS_PER_SM)
@@ -504,5 +610,6 @@ def _make_filtered_kernels(bf16: bool):
     return whole_row_kernel, part_kernel
 
 
-#: ``filtered_kernels(bf16)``: the two kernels for float32 or bfloat16 logits, made once.
+#: ``filtered_kernels(bf16, guess=True)``: the two kernels for float32 or bfloat16 logits,
+#: made once.
 filtered_kernels = functools.cache(_make_filtered_kernels)
