@@ -195,3 +195,53 @@ def test_kernel_unchecked_positive_log_probs_stay_in_bounds():
     parents = tree.parents.copy_to_host()
     assert ((parents >= -1) & (parents < 21)).all()
     assert (tree.num_nodes.copy_to_host() <= 21).all()
+
+
+def test_shared_layout_places_each_array_aligned_and_apart():
+    from ddtree_numba.kernels._device import shared_layout
+
+    offsets, nbytes = shared_layout((np.uint64, 3), (np.float32, 5), (np.int16, 2), (np.int8, 7))
+    assert offsets == (0, 6, 22, 48) and nbytes == 55   # bytes 0, 24, 44, 48
+    with pytest.raises(ValueError, match=r"arrays: a float32 array .* unaligned \(byte 2\)"):
+        shared_layout((np.int16, 1), (np.float32, 1))
+
+
+@pytest.mark.parametrize("phase", ["list", "levels"])
+def test_kernel_shared_arrays_do_not_overlap(phase):
+    """The threshold kernel's one dynamic shared block: the list's arrays lie apart from each
+    other, so do the fall-back's, and each set fits the block the launch asks for."""
+    from ddtree_numba.kernels import build_tree_threshold as t
+
+    C, R, S, Nc = t.CAPACITY, t.ROW, t.SCAN_SCRATCH, t.NODE_CAPACITY
+    arrays = {   # name: (offset in elements, itemsize, count)
+        "list": [(t.AT_WORK, 8, C), (t.AT_SCORE, 4, C), (t.AT_ROW, 4, R), (t.AT_HIST, 4, t.BINS),
+                 (t.AT_SCRATCH, 4, S), (t.AT_FOUND, 4, 3), (t.AT_FLAGS, 4, 4),
+                 (t.AT_PARENT, 2, C), (t.AT_RANK, 2, C), (t.AT_MULT, 2, C), (t.AT_DEPTH, 1, C)],
+        "levels": [(t.AT_G_KEY, 8, Nc), (t.AT_CAND, 8, t.CAND_CAP), (t.AT_LEVELS_ROW, 4, Nc),
+                   (t.AT_PLIST, 4, Nc), (t.AT_OFFSETS, 4, Nc), (t.AT_NEWPOS, 4, Nc),
+                   (t.AT_LEVELS_SCRATCH, 4, S), (t.AT_STATE, 4, 2), (t.AT_G_DEPTH, 2, Nc)],
+    }[phase]
+    spans = sorted((at * size, (at + count) * size) for at, size, count in arrays)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False))
+    assert spans[-1][1] <= t.ARENA_BYTES <= 48 * 1024
+
+
+@pytest.mark.gpu
+def test_kernel_falls_back_in_its_block_at_gpu_capacity():
+    """At the GPU's 2 048-entry list: a request whose scores all tie crowds it and takes the
+    levels select inside the same block and shared memory; the other requests of the launch,
+    which do not, keep their own trees. Every tree equals the reference."""
+    from ddtree_numba.kernels.build_tree_threshold import CAPACITY
+
+    rng = np.random.default_rng(29)
+    L, K_, budget = 15, 1024, 1024
+    lp = np.stack([sorted_rows(rng, L, K_, kind)
+                   for kind in ("log_softmax", "zeros", "random", "zeros")])
+    fell_back = [best_first_by_threshold(lp[b], budget, CAPACITY)[0] is None for b in range(4)]
+    assert fell_back == [False, True, False, True]      # the inputs take the paths meant
+    ids = np.broadcast_to(np.arange(K_, dtype=np.int32), lp.shape).copy()
+    roots = np.arange(4, dtype=np.int32)
+    prefix = np.array([0, 7, 300, 4000], np.int32)
+    want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
+    assert_trees_equal(K.build_tree(lp, ids, roots, budget, prefix_lens=prefix,
+                                    variant="threshold"), want)
