@@ -34,9 +34,9 @@ of its own shared memory (``build_tree_threshold``), in a block of the same ``LE
 array indexed at run time, 64 B of stack; the timings in the docs are from that build.)
 
 Barriers: a round is bound by them (about 7 us a round on the H200 with the shared-memory scan
-and sort, 1 024 threads). On a GPU the two block scans take 3 barriers
-each and a sort of up to 1 024 candidates 2 per stride of 32 and more
-(``kernels._primitives``); the simulator runs the shared-memory versions of both.
+and sort, 1 024 threads). On a GPU the two block scans take 3 barriers each, and a sort takes
+``bitonic_sort_desc``'s GPU path (``kernels._primitives``: strides below 32 in registers, and
+more than ``T`` keys four a thread); the simulator runs the shared-memory versions of both.
 
 Shared memory (static in this kernel, on a GPU): ``G`` 8 448 B, depths 2 112 B, candidates 16 384 B,
 ``plist``, ``offsets`` and ``newpos`` 12 672 B, the round's first ``min(K, B)`` log-probs
@@ -154,7 +154,8 @@ def select_levels(lp, B, parents, depths, log_weights, next_token, next_sibling,
                   lp_row, state):
     """The node table of request ``b`` by this block of ``T`` threads (``T`` a multiple of 32,
     at least ``LEVEL_THREADS``: a merge holds ``HELD`` elements a thread), in the shared arrays
-    given (their sizes as in :func:`_select_levels_kernel`). Every thread calls it; it begins
+    given (their sizes as in :func:`_select_levels_kernel`, but ``scratch``:
+    ``block_scan_scratch(T)``). Every thread calls it; it begins
     by writing shared memory, so the caller puts a barrier before it if the block read these
     arrays as something else (the ``"threshold"`` select's fall-back does)."""
     L, K = lp.shape[1], lp.shape[2]
