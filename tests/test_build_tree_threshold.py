@@ -257,7 +257,8 @@ def test_expand_writes_every_child_once_whatever_the_widths(widths):
     d, B = 3, 50
     out_f = np.zeros(CAPACITY, np.float32)
     out_i = np.zeros((4, CAPACITY), np.int32)
-    _expand_kernel_for(THREADS)[1, THREADS](sums, scores, row, n, start, M, d, B, out_f, out_i)
+    _expand_kernel_for(THREADS)[1, THREADS](sums, scores, row, np.int32(n), np.int32(start),
+                                            np.int32(M), np.int32(d), np.int32(B), out_f, out_i)
     j = n
     for u, w in enumerate(widths):
         for r in range(w):

@@ -181,7 +181,7 @@ def _expand(score, parent, rank, depth, mult, work, lp_row, n, start, M, d, B, t
     while j < j_end:
         if j >= end:                            # parent u is done (end 0: none found yet)
             if end > 0 and u + 1 < P and int32(work[u + 1]) > j:
-                u += 1                          # the next parent has children: a step
+                u = int32(u + 1)                # the next parent has children: a step
             else:
                 u, _ = _parent_of(work, P, j)   # else search (the first child, or a gap)
             first = int32(work[u - 1]) if u > 0 else int32(0)
@@ -195,7 +195,7 @@ def _expand(score, parent, rank, depth, mult, work, lp_row, n, start, M, d, B, t
         rank[c] = int16(r)
         depth[c] = int8(d + 1)
         mult[c] = int16(min(m_p * (r + 1), B + 1))
-        j += 1
+        j = int32(j + 1)
 
 
 @cuda.jit(device=True, inline=True)
@@ -363,7 +363,8 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
     d = int32(0)
     # One pass a level, then one for the end. Every thread takes the same branches (the
     # decisions read only values that are alike in all of them), and each helper has one
-    # call site: the kernel's code stays small enough for the instruction cache.
+    # call site (but _parent_of, a short search, has two): the kernel's code stays small
+    # enough for the instruction cache.
     while not fallback:
         level = d < L and start < n                # False: the end
         if level:
