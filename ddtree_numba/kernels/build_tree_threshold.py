@@ -31,9 +31,12 @@ alike by all, from block-wide sums):
    not fit, ties crowd the list, and the block builds the tree with the ``"levels"`` select
    instead (:func:`~ddtree_numba.kernels.build_tree_levels.select_levels`), in the same
    shared memory.
-4. *Expand*: warp ``w`` takes parents ``w``, ``w + T / 32``, ...; lane ``l`` writes ranks
-   ``l``, ``l + 32``, ... of the parent: its child ``r`` is node ``n + (exclusive sum) + r``
-   (no search; the row is read coalesced).
+4. *Expand*: the level's children lie parent after parent in rank order (child ``r`` of
+   parent ``u`` is entry ``n + (exclusive sum of u) + r``); thread ``t`` writes a run of about
+   ``M / T`` of them, finding its first parent by a binary search over the sums and each next
+   one by a step. (A warp a parent, as before, left most warps idle while a few walked the
+   widest level's parents one after another: 5.7 of the 12.4 us of expansions at budget 256,
+   ``benchmarks/NOTES.md``.)
 
 **The end.** If more than ``2^ceil(log2(B + 1)) - 1`` non-root nodes are listed, the floor
 rises towards ``T``, the ``B``-th best score, so that the sort pads to no more slots than
@@ -183,6 +186,39 @@ def _count_children(score, mult, lp_row, work, scratch, start, n, d, K, B, floor
                                                  floor))
     cuda.syncthreads()                      # counts in place
     return _scan_in_place(work, P, scratch, tid, T)
+
+
+@cuda.jit(device=True, inline=True)
+def _expand(score, parent, rank, depth, mult, work, lp_row, n, start, M, d, B, tid, T):
+    """Step 4: the level's ``M`` children at list entries ``n .. n + M - 1`` (``work[0:P]``
+    the inclusive sums of parents ``start .. n - 1``'s counts), this thread's run of them."""
+    P = n - start
+    per = ((M + T - 1) // T) | 1                # children a thread: odd, see the caller
+    j = int32(tid * per)
+    j_end = int32(min(j + per, M))
+    u = int32(0)
+    first = int32(0)                            # the level's index of parent u's rank 0
+    end = int32(0)                              # ... and one past its last child
+    s_p = float32(0.0)
+    m_p = int32(1)
+    while j < j_end:
+        if j >= end:                            # parent u is done (end 0: none found yet)
+            if end > 0 and u + 1 < P and int32(work[u + 1]) > j:
+                u = int32(u + 1)                # the next parent has children: a step
+            else:
+                u, _ = _parent_of(work, P, j)   # else search (the first child, or a gap)
+            first = int32(work[u - 1]) if u > 0 else int32(0)
+            end = int32(work[u])
+            s_p = score[start + u]
+            m_p = int32(mult[start + u])
+        r = j - first
+        c = uint32(n + j)
+        score[c] = s_p + lp_row[r]              # one float32 rounding, as the reference
+        parent[c] = int16(start + u)
+        rank[c] = int16(r)
+        depth[c] = int8(d + 1)
+        mult[c] = int16(min(m_p * (r + 1), B + 1))
+        j = int32(j + 1)
 
 
 @cuda.jit(device=True, inline=True)
@@ -357,7 +393,8 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
     d = int32(0)
     # One pass a level, then one for the end. Every thread takes the same branches (the
     # decisions read only values that are alike in all of them), and each helper has one
-    # call site: the kernel's code stays small enough for the instruction cache.
+    # call site (but _parent_of, a short search, has two): the kernel's code stays small
+    # enough for the instruction cache.
     while not fallback:
         level = d < L and start < n                # False: the end
         if level:
@@ -390,21 +427,13 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
         if n + M > CAPACITY:                       # ties crowd the list
             fallback = True
             break
-        # 4. expand: warp w writes the children of parents w, w + T / 32, ...; lane l
-        #    writes ranks l, l + 32, ... of one (child r of parent u is node n + its
-        #    exclusive sum + r: no search, and a parent's row is read coalesced)
-        for u in range(tid >> 5, n - start, T >> 5):
-            first = int32(work[u - 1]) if u > 0 else int32(0)
-            p = uint32(start + u)
-            s_p = score[p]
-            m_p = int32(mult[p])
-            for r in range(tid & 31, int32(work[u]) - first, 32):
-                c = uint32(n + first + r)
-                score[c] = s_p + lp_row[r]         # one float32 rounding, as the reference
-                parent[c] = int16(p)
-                rank[c] = int16(r)
-                depth[c] = int8(d + 1)
-                mult[c] = int16(min(m_p * (r + 1), B + 1))
+        # 4. expand: the level's children j = 0 .. M - 1 lie parent after parent in rank
+        #    order (child j of the level is node n + j). Thread t writes the run j = t s ..
+        #    t s + s - 1, s = ceil(M / T) made odd (lanes' runs then start in different
+        #    banks): its first parent by a binary search over the sums, each next one by a
+        #    step (or by a search again, past parents without children). Every thread writes
+        #    about M / T children however the parents' widths differ.
+        _expand(score, parent, rank, depth, mult, work, lp_row, n, start, M, d, B, tid, T)
         cuda.syncthreads()                         # the level written, lp_row read
         for q in range(ROW_PER_THREAD):
             r = tid + q * T
