@@ -27,7 +27,7 @@ After the last round the node table is written: node ``i + 1`` is ``G[i]``; the 
 from one more sort, of ``(parent, rank)`` pairs: siblings are consecutive there, ranks ``0 ..
 m - 1`` (a parent's taken children are a prefix of its row).
 
-The body is the device function :func:`select_levels`: :func:`_select_levels_kernel` calls it
+The body is the device function ``select_levels``: ``_select_levels_kernel`` calls it
 with static shared arrays, and the ``"threshold"`` select calls it as its fall-back with slices
 of its own shared memory (``build_tree_threshold``), in a block of the same ``LEVEL_THREADS``
 (512) threads. (Until then this kernel ran 1 024 threads and kept a merge's elements in a local
@@ -154,7 +154,7 @@ def select_levels(lp, B, parents, depths, log_weights, next_token, next_sibling,
                   lp_row, state):
     """The node table of request ``b`` by this block of ``T`` threads (``T`` a multiple of 32,
     at least ``LEVEL_THREADS``: a merge holds ``HELD`` elements a thread), in the shared arrays
-    given (their sizes as in :func:`_select_levels_kernel`, but ``scratch``:
+    given (their sizes as in ``_select_levels_kernel``, but ``scratch``:
     ``block_scan_scratch(T)``). Every thread calls it; it begins
     by writing shared memory, so the caller puts a barrier before it if the block read these
     arrays as something else (the ``"threshold"`` select's fall-back does)."""

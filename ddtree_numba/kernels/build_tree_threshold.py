@@ -29,8 +29,7 @@ alike by all, from block-wide sums):
    children are counted again; if they still do not fit, the same with the pending children
    included (each one scored again where the select reads it, never stored); if they still do
    not fit, ties crowd the list, and the block builds the tree with the ``"levels"`` select
-   instead (:func:`~ddtree_numba.kernels.build_tree_levels.select_levels`), in the same
-   shared memory.
+   instead (``build_tree_levels.select_levels``), in the same shared memory.
 4. *Expand*: the level's children lie parent after parent in rank order (child ``r`` of
    parent ``u`` is entry ``n + (exclusive sum of u) + r``); thread ``t`` writes a run of about
    ``M / T`` of them, finding its first parent by a binary search over the sums and each next
@@ -52,8 +51,8 @@ the bin that holds the ``k``-th key: 3 barriers and a pass over the keys a round
 after the first round whose bin edge leaves at most ``B`` + 32 keys during the levels (the
 model's ``floor_caps``), or ``2^ceil(log2(B + 1)) - 1`` at the end: the edge is a floor too.
 
-Shared memory: one dynamic block of ``ARENA_BYTES`` (:func:`~ddtree_numba.kernels._device.
-shared_layout`), seen as one array of each type. The list takes 22 528 B (``CAPACITY`` x 11 B),
+Shared memory: one dynamic block of ``ARENA_BYTES`` (``_device.shared_layout``), seen as one
+array of each type. The list takes 22 528 B (``CAPACITY`` x 11 B),
 ``work`` 16 384 B, the row 4 224 B, the histogram 1 024 B, scan and flags under 100 B: 44.2 KB
 on a GPU. The fall-back's arrays (43.9 KB) lie over the same bytes: it starts after a barrier,
 when nothing of the list is read again. (With static arrays the two sets would need 88 KB: one
