@@ -6,7 +6,7 @@ Inputs are the top-K of random drafter logits (scaled so the drafter is fairly c
 * ``gpu``: the kernel (select + finish launches, the default select), device
   time of a graph replay; ``corners_select_us``, ``warp_select_us``, ``levels_select_us``,
   ``threshold_select_us``: the select phase alone of each variant (each checked exact, with
-  the finish; the threshold select's time includes its fall-back launch).
+  the finish; the threshold select runs its fall-back in its own block).
 * ``numpy_ref``: reference.build_tree, plus the copies a CPU path needs (top-K device -> host,
   the tree's arrays host -> device), wall clock.
 * ``python_heap``: a per-request Python heap, the way published DDTree ports build the tree on

@@ -383,8 +383,8 @@ def threshold_report(write):
             marks = cuda.to_device(np.zeros((bs, 128), np.int64))
             codes = cuda.to_device(np.full((bs, 128), -1, np.int64))
             for _ in range(3):
-                marked._select_threshold_kernel[bs, marked.THREADS](d_lp, budget, *table,
-                                                                    marks, codes)
+                marked._select_threshold_kernel[bs, marked.THREADS, 0, marked.ARENA_BYTES](
+                    d_lp, budget, *table, marks, codes)
             cuda.synchronize()
             t, c = marks.copy_to_host()[0], codes.copy_to_host()[0]
             n = int(t[125])

@@ -7,6 +7,7 @@ of those paths in the simulator's 256-entry list, and stays in bounds on uncheck
 import numpy as np
 import pytest
 from cases import random_topk
+from numba import cuda, float32, int8, int16, int32, uint64
 from test_build_tree import assert_trees_equal
 from test_build_tree_levels import KINDS, LARGE_SIZES, SMALL_SIZES, sorted_rows
 
@@ -195,3 +196,124 @@ def test_kernel_unchecked_positive_log_probs_stay_in_bounds():
     parents = tree.parents.copy_to_host()
     assert ((parents >= -1) & (parents < 21)).all()
     assert (tree.num_nodes.copy_to_host() <= 21).all()
+
+
+def test_shared_layout_places_each_array_aligned_and_apart():
+    from ddtree_numba.kernels._device import shared_layout
+
+    offsets, nbytes = shared_layout((np.uint64, 3), (np.float32, 5), (np.int16, 2), (np.int8, 7))
+    assert offsets == (0, 6, 22, 48) and nbytes == 55   # bytes 0, 24, 44, 48
+    with pytest.raises(ValueError, match=r"arrays: a float32 array .* unaligned \(byte 2\)"):
+        shared_layout((np.int16, 1), (np.float32, 1))
+
+
+@pytest.mark.parametrize("phase", ["list", "levels"])
+def test_kernel_shared_arrays_do_not_overlap(phase):
+    """The threshold kernel's one dynamic shared block: the list's arrays lie apart from each
+    other, so do the fall-back's, and each set fits the block the launch asks for."""
+    from ddtree_numba.kernels import build_tree_threshold as t
+
+    C, R, S, Nc = t.CAPACITY, t.ROW, t.SCAN_SCRATCH, t.NODE_CAPACITY
+    arrays = {   # name: (offset in elements, itemsize, count)
+        "list": [(t.AT_WORK, 8, C), (t.AT_SCORE, 4, C), (t.AT_ROW, 4, R), (t.AT_HIST, 4, t.BINS),
+                 (t.AT_SCRATCH, 4, S), (t.AT_FOUND, 4, 3), (t.AT_FLAGS, 4, 4),
+                 (t.AT_PARENT, 2, C), (t.AT_RANK, 2, C), (t.AT_MULT, 2, C), (t.AT_DEPTH, 1, C)],
+        "levels": [(t.AT_G_KEY, 8, Nc), (t.AT_CAND, 8, t.CAND_CAP), (t.AT_LEVELS_ROW, 4, Nc),
+                   (t.AT_PLIST, 4, Nc), (t.AT_OFFSETS, 4, Nc), (t.AT_NEWPOS, 4, Nc),
+                   (t.AT_LEVELS_SCRATCH, 4, S), (t.AT_STATE, 4, 2), (t.AT_G_DEPTH, 2, Nc)],
+    }[phase]
+    spans = sorted((at * size, (at + count) * size) for at, size, count in arrays)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False))
+    assert spans[-1][1] <= t.ARENA_BYTES <= 48 * 1024
+
+
+@pytest.mark.gpu
+def test_kernel_falls_back_in_its_block_at_gpu_capacity():
+    """At the GPU's 2 048-entry list: a request whose scores all tie crowds it and takes the
+    levels select inside the same block and shared memory; the other requests of the launch,
+    which do not, keep their own trees. Every tree equals the reference."""
+    from ddtree_numba.kernels.build_tree_threshold import CAPACITY
+
+    rng = np.random.default_rng(29)
+    L, K_, budget = 15, 1024, 1024
+    lp = np.stack([sorted_rows(rng, L, K_, kind)
+                   for kind in ("log_softmax", "zeros", "random", "zeros")])
+    fell_back = [best_first_by_threshold(lp[b], budget, CAPACITY)[0] is None for b in range(4)]
+    assert fell_back == [False, True, False, True]      # the inputs take the paths meant
+    ids = np.broadcast_to(np.arange(K_, dtype=np.int32), lp.shape).copy()
+    roots = np.arange(4, dtype=np.int32)
+    prefix = np.array([0, 7, 300, 4000], np.int32)
+    want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
+    assert_trees_equal(K.build_tree(lp, ids, roots, budget, prefix_lens=prefix,
+                                    variant="threshold"), want)
+
+
+def _expand_kernel_for(T):
+    """A kernel running the threshold select's step 4 (``_expand``) alone on given sums."""
+    from ddtree_numba.kernels.build_tree_threshold import CAPACITY, ROW, _expand
+
+    @cuda.jit
+    def kernel(counts_sums, parent_scores, row, n, start, M, d, B, out_f, out_i):
+        tid = cuda.threadIdx.x
+        score = cuda.shared.array(CAPACITY, float32)
+        parent = cuda.shared.array(CAPACITY, int16)
+        rank = cuda.shared.array(CAPACITY, int16)
+        depth = cuda.shared.array(CAPACITY, int8)
+        mult = cuda.shared.array(CAPACITY, int16)
+        work = cuda.shared.array(CAPACITY, uint64)
+        lp_row = cuda.shared.array(ROW, float32)
+        for i in range(tid, CAPACITY, T):
+            score[i] = parent_scores[i]
+            mult[i] = 1 + i % 3
+            parent[i] = -7
+            work[i] = uint64(counts_sums[i])
+        for i in range(tid, ROW, T):
+            lp_row[i] = row[i]
+        cuda.syncthreads()
+        _expand(score, parent, rank, depth, mult, work, lp_row, n, start, M, d, B, tid, T)
+        cuda.syncthreads()
+        for i in range(tid, CAPACITY, T):
+            out_f[i] = score[i]
+            out_i[0, i] = int32(parent[i])
+            out_i[1, i] = int32(rank[i])
+            out_i[2, i] = int32(depth[i])
+            out_i[3, i] = int32(mult[i])
+
+    return kernel
+
+
+@pytest.mark.parametrize("widths", [
+    [5], [0, 0, 3], [40, 0, 0, 0, 1, 0, 2], [1] * 30, [0] * 20 + [7] + [0] * 20 + [1],
+    [0, 0, 0], [2, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 1],
+    "random"])
+def test_expand_writes_every_child_once_whatever_the_widths(widths):
+    """Step 4 alone: each thread writes a run of the level's children, stepping from parent to
+    parent and searching again past parents without children; the list equals the model's
+    layout (parents in order, each one's children in rank order) for one parent, runs of
+    childless parents, more children than threads and none at all."""
+    from ddtree_numba.kernels.build_tree_threshold import CAPACITY, ROW, THREADS
+
+    rng = np.random.default_rng(3)
+    if widths == "random":
+        widths = list(rng.integers(0, 4, 60) * (rng.random(60) < 0.5))
+    start, P = 9, len(widths)
+    n = start + P
+    M = int(sum(widths))
+    assert n + M <= CAPACITY
+    sums = np.zeros(CAPACITY, np.int64)
+    sums[:P] = np.cumsum(widths)
+    scores = -rng.random(CAPACITY).astype(np.float32)
+    row = np.float32(-0.25) * np.arange(ROW, dtype=np.float32)     # a descending row
+    d, B = 3, 50
+    out_f = np.zeros(CAPACITY, np.float32)
+    out_i = np.zeros((4, CAPACITY), np.int32)
+    _expand_kernel_for(THREADS)[1, THREADS](sums, scores, row, np.int32(n), np.int32(start),
+                                            np.int32(M), np.int32(d), np.int32(B), out_f, out_i)
+    j = n
+    for u, w in enumerate(widths):
+        for r in range(w):
+            p = start + u
+            assert out_f[j] == np.float32(scores[p] + row[r])
+            assert list(out_i[:, j]) == [p, r, d + 1, min((1 + p % 3) * (r + 1), B + 1)]
+            j += 1
+    assert (out_i[0, n + M:] == -7).all() and (out_i[0, :n] == -7).all()   # nothing else

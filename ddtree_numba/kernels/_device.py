@@ -7,6 +7,8 @@
   torch) without copying device data; bfloat16 travels as its raw ``uint16`` bits.
 * :func:`launch` configures a launch of the library's kernels without numba's low-occupancy
   warning (small grids are by design here).
+* :func:`shared_layout` places several arrays in one dynamic shared block (seen through one
+  array of each type), so that a kernel's phases can reuse the same bytes as other types.
 * :func:`allow_dynamic_shared` opts a kernel into more than 48 KB of dynamic shared memory
   (numba-cuda has no API for it; the driver attribute on the compiled function does it).
 * :func:`launch_stream` gives the stream launches go to (the default stream, or the one a
@@ -154,7 +156,8 @@ def launch(kernel, griddim, blockdim, stream=None, shared_bytes=0):
     module names as a constant (``FINISH_THREADS``, ``TOPK_THREADS``, ...), which their
     launchers always use, not by ``cuda.blockDim.x``. (The threshold select and
     ``accept_commit`` keep ``blockDim.x``: with the constant LLVM unrolled their loops into
-    more registers than their blocks afford; ``verify_attn``'s merge kernels and the model's
+    more registers than their blocks afford; so does the levels select where the threshold
+    select runs it as its fall-back; ``verify_attn``'s merge kernels and the model's
     dense kernels run one such loop a block.) Numba sets up ``range(tid, n, step)`` by
     computing its trip count, a division by ``step``. By a constant that is a shift; by
     ``blockDim.x`` it is a signed division at every loop entry, a call of about 70
@@ -169,6 +172,24 @@ def launch(kernel, griddim, blockdim, stream=None, shared_bytes=0):
         return kernel[griddim, blockdim, stream, shared_bytes]
     finally:
         config.CUDA_LOW_OCCUPANCY_WARNINGS = saved
+
+
+def shared_layout(*arrays):
+    """Where arrays laid one after another in one dynamic shared block start: ``arrays`` are
+    ``(numpy dtype, count)`` pairs, widest type first (so that each array starts aligned to
+    its type); returns each one's offset *in elements of its own type*, and the block's bytes.
+    A kernel sees the block as one ``cuda.shared.array(0, dtype)`` per type (they all alias
+    its first byte) and slices them: ``base[offset:offset + count]``."""
+    offsets = []
+    end = 0
+    for dtype, count in arrays:
+        size = np.dtype(dtype).itemsize
+        if end % size:
+            raise ValueError(f"arrays: a {np.dtype(dtype)} array after a narrower type would "
+                             f"start unaligned (byte {end}); list the widest types first")
+        offsets.append(end // size)
+        end += size * int(count)
+    return tuple(offsets), end
 
 
 STATIC_SHARED_LIMIT = 48 * 1024     # what a launch gets without opting in

@@ -371,8 +371,8 @@ def checked_tree(out, bs: int, N: int) -> DraftTree:
 
 def build_tree(top_log_probs, top_token_ids, root_token_ids, budget, *, prefix_lens=None,
                check=None, variant=None, out=None, scratch=None) -> DraftTree:
-    """Build one best-first draft tree per request on the GPU (a select, then the finish;
-    the threshold select adds its fall-back's launch; no sync).
+    """Build one best-first draft tree per request on the GPU (two launches, a select, then
+    the finish; no sync).
 
     Parameters
     ----------
@@ -464,15 +464,13 @@ def launch_select(variant: str, lp, budget: int, tree: DraftTree, ranks) -> None
         from .build_tree_levels import LEVEL_THREADS, _select_levels_kernel
 
         launch(_select_levels_kernel, bs, LEVEL_THREADS, launch_stream())(
-            lp, budget, *node_table, False)
+            lp, budget, *node_table)
     elif variant == "threshold":
-        from .build_tree_levels import LEVEL_THREADS, _select_levels_kernel
-        from .build_tree_threshold import THREADS, _select_threshold_kernel
+        from .build_tree_threshold import ARENA_BYTES, THREADS, _select_threshold_kernel
 
-        launch(_select_threshold_kernel, bs, THREADS, launch_stream())(lp, budget, *node_table)
-        # the requests whose ties crowded the list (num_nodes[b] == -1), by the levels select
-        launch(_select_levels_kernel, bs, LEVEL_THREADS, launch_stream())(
-            lp, budget, *node_table, True)
+        # (a request whose ties crowd the list takes the levels select in the same block)
+        launch(_select_threshold_kernel, bs, THREADS, launch_stream(), ARENA_BYTES)(
+            lp, budget, *node_table)
     else:
         launch(_select_scan_kernel, bs, 1, launch_stream())(lp, budget, *node_table)
 
@@ -484,7 +482,7 @@ def build_specs():
     from ._specs import KernelSpec
     from .build_tree_corners import SLOT_CHOICES, corners_select_kernel
     from .build_tree_levels import LEVEL_THREADS, _select_levels_kernel
-    from .build_tree_threshold import THREADS, _select_threshold_kernel
+    from .build_tree_threshold import ARENA_BYTES, THREADS, _select_threshold_kernel
 
     i1, i2, i3 = types.int32[::1], types.int32[:, ::1], types.int32[:, :, ::1]
     select = (types.float32[:, :, ::1], types.int64, i2, i2, types.float32[:, ::1], i2, i2, i2,
@@ -498,10 +496,9 @@ def build_specs():
         KernelSpec("build_tree", "select warp", _select_warp_kernel, select, SELECT_THREADS, True),
         *(KernelSpec("build_tree", f"select corners P={P}", corners_select_kernel(P), select,
                      SELECT_THREADS, True) for P in SLOT_CHOICES),
-        # not "fast" yet: a merge holds its elements in a 64-byte local array (dynamic index)
-        KernelSpec("build_tree", "select levels", _select_levels_kernel,
-                   (*select, types.boolean), LEVEL_THREADS, False),
-        KernelSpec("build_tree", "select threshold", _select_threshold_kernel, select, THREADS,
+        KernelSpec("build_tree", "select levels", _select_levels_kernel, select, LEVEL_THREADS,
                    True),
+        KernelSpec("build_tree", "select threshold", _select_threshold_kernel, select, THREADS,
+                   True, dynamic_shared=ARENA_BYTES),
         KernelSpec("build_tree", "finish", _finish_kernel, finish, FINISH_THREADS, True),
     ]

@@ -18,22 +18,29 @@ b. every parent ``u`` (thread ``u``, ``u + T``, ...) finds by binary search how 
 c. the candidates, ``CHUNK`` (2048) at a time: candidate ``j`` finds its parent by binary search in
    ``offsets``, is scored ``fl(s_u + lp[d - 1, r])`` and packed; the chunk is sorted (bitonic,
    descending) and merged into ``G``: every element's new position is its index plus the number
-   of larger keys in the other list (a binary search), all read before a barrier and written
-   after it, the first ``B`` kept; then the parents' positions inside the keys (and ``plist``)
-   are moved to the new positions (``newpos``; ``-2``: dropped, whose children are skipped).
+   of larger keys in the other list (a binary search), all read before a barrier (a thread
+   holds its ``HELD`` elements in registers) and written after it, the first ``B`` kept; then
+   the parents' positions inside the keys (and ``plist``) are moved to the new positions
+   (``newpos``; ``-2``: dropped, whose children are skipped).
 
 After the last round the node table is written: node ``i + 1`` is ``G[i]``; the child lists come
 from one more sort, of ``(parent, rank)`` pairs: siblings are consecutive there, ranks ``0 ..
 m - 1`` (a parent's taken children are a prefix of its row).
 
-Barriers: a round is bound by them (one block of 1 024 threads a request; about 7 us a round on
-the H200 with the shared-memory scan and sort). On a GPU the two block scans take 3 barriers
-each and a sort of up to 1 024 candidates 2 per stride of 32 and more
-(``kernels._primitives``); the simulator runs the shared-memory versions of both.
+The body is the device function ``select_levels``: ``_select_levels_kernel`` calls it
+with static shared arrays, and the ``"threshold"`` select calls it as its fall-back with slices
+of its own shared memory (``build_tree_threshold``), in a block of the same ``LEVEL_THREADS``
+(512) threads. (Until then this kernel ran 1 024 threads and kept a merge's elements in a local
+array indexed at run time, 64 B of stack; the timings in the docs are from that build.)
 
-Shared memory (static, on a GPU): ``G`` 8 448 B, depths 2 112 B, candidates 16 384 B,
+Barriers: a round is bound by them (about 7 us a round on the H200 with the shared-memory scan
+and sort, 1 024 threads). On a GPU the two block scans take 3 barriers each, and a sort takes
+``bitonic_sort_desc``'s GPU path (``kernels._primitives``: strides below 32 in registers, and
+more than ``T`` keys four a thread); the simulator runs the shared-memory versions of both.
+
+Shared memory (static in this kernel, on a GPU): ``G`` 8 448 B, depths 2 112 B, candidates 16 384 B,
 ``plist``, ``offsets`` and ``newpos`` 12 672 B, the round's first ``min(K, B)`` log-probs
-4 224 B, the block scan's 128 B (one int32 a warp; one a thread on the simulator): 43 976 B of the
+4 224 B, the block scan's 64 B (one int32 a warp; one a thread on the simulator): 43 912 B of the
 49 152 B a static allocation may take.
 """
 
@@ -55,14 +62,15 @@ NODE_CAPACITY = MAX_NODES           # as build_tree: N <= 1056
 CAND_CAP = 2048                     # the candidate buffer: a power of two >= NODE_CAPACITY
 CHUNK = 64 if SIMULATOR else CAND_CAP   # candidates sorted and merged at once (the simulator
                                         # takes small chunks so that tests cover several)
-LEVEL_THREADS = 32 if SIMULATOR else 1024
-G_PER_THREAD = -(-NODE_CAPACITY // LEVEL_THREADS)      # G elements a thread holds in a merge
-C_PER_THREAD = CHUNK // LEVEL_THREADS                  # chunk elements a thread holds
-HELD = G_PER_THREAD + C_PER_THREAD                      # a merge's elements per thread
+# 512 threads: the "threshold" select's block, which runs this select as its fall-back
+LEVEL_THREADS = 32 if SIMULATOR else 512
+G_HELD = -(-NODE_CAPACITY // LEVEL_THREADS)     # G elements a thread holds in a merge
+C_HELD = CHUNK // LEVEL_THREADS                 # chunk elements a thread holds
+HELD = G_HELD + C_HELD                          # a merge's elements per thread
 SCAN_SCRATCH = block_scan_scratch(LEVEL_THREADS)        # the block scan's shared int32s
 # What the arrays and key fields above assume (a change to one constant must keep them true)
 assert CHUNK % LEVEL_THREADS == 0 and CHUNK & (CHUNK - 1) == 0 and CHUNK <= CAND_CAP
-assert CAND_CAP >= NODE_CAPACITY and LEVEL_THREADS * G_PER_THREAD >= NODE_CAPACITY
+assert CAND_CAP >= NODE_CAPACITY and LEVEL_THREADS * G_HELD >= NODE_CAPACITY
 assert NODE_CAPACITY <= 2048                            # a rank field of 11 bits
 LOW = uint64(0xFFFFFFFF)
 NEG_INF = float32(-float("inf"))
@@ -140,30 +148,22 @@ def _node_fields(key, depth, node, L, K):
     return int32(0), int32(1), int32(0)
 
 
-@kernel_for_block(LEVEL_THREADS)     # 1024 threads fit only at <= 64 registers each
-def _select_levels_kernel(lp, budget, parents, depths, log_weights, next_token, next_sibling,
-                          ranks, num_nodes, redo_only):
-    """Grid ``(bs,)``, block ``(LEVEL_THREADS,)``; the node table of request ``b``. With
-    ``redo_only``, only of the requests the ``"threshold"`` select handed over (``num_nodes[b]
-    == -1``); the others' blocks return at once."""
-    b = cuda.blockIdx.x
-    if redo_only and num_nodes[b] != -1:                   # uniform over the block
-        return
-    tid = cuda.threadIdx.x
-    T = LEVEL_THREADS                      # a constant step (see _device.launch)
+@cuda.jit(device=True, inline=True)
+def select_levels(lp, B, parents, depths, log_weights, next_token, next_sibling, ranks,
+                  num_nodes, b, tid, T, g_key, g_depth, cand, plist, offsets, newpos, scratch,
+                  lp_row, state):
+    """The node table of request ``b`` by this block of ``T`` threads (``T`` a multiple of 32,
+    at least ``LEVEL_THREADS``: a merge holds ``HELD`` elements a thread), in the shared arrays
+    given (their sizes as in ``_select_levels_kernel``, but ``scratch``:
+    ``block_scan_scratch(T)``). Every thread calls it; it begins
+    by writing shared memory, so the caller puts a barrier before it if the block read these
+    arrays as something else (the ``"threshold"`` select's fall-back does)."""
     L, K = lp.shape[1], lp.shape[2]
     N = parents.shape[1]
-    B = budget
-    g_key = cuda.shared.array(NODE_CAPACITY, uint64)       # G, descending (pop order)
-    g_depth = cuda.shared.array(NODE_CAPACITY, int16)
-    cand = cuda.shared.array(CAND_CAP, uint64)
-    plist = cuda.shared.array(NODE_CAPACITY, int32)        # this round's parents (positions)
-    offsets = cuda.shared.array(NODE_CAPACITY, int32)      # counts, then inclusive sums
-    newpos = cuda.shared.array(NODE_CAPACITY, int32)       # old position -> new (-2: dropped)
-    scratch = cuda.shared.array(SCAN_SCRATCH, int32)
-    lp_row = cuda.shared.array(NODE_CAPACITY, float32)    # lp[b, d - 1, :min(K, B)]
-    state = cuda.shared.array(2, int32)                    # [n = |G|, parents this round]
-    my_key = cuda.local.array(HELD, uint64)                # this thread's elements of a merge
+    # a merge's elements of this thread, in registers: every index below is a constant once
+    # the loops over G_HELD and C_HELD are unrolled (a dynamic index would put them in local
+    # memory)
+    my_key = cuda.local.array(HELD, uint64)
     my_depth = cuda.local.array(HELD, int16)
     my_pos = cuda.local.array(HELD, int32)
 
@@ -228,25 +228,38 @@ def _select_levels_kernel(lp, budget, parents, depths, log_weights, next_token, 
             bitonic_sort_desc(cand, m2, tid, T)
             n = state[0]
             # merge: new position = own index + larger keys in the other list. This thread's
-            # elements: G's i = tid, tid + T, ... (the first hg), then the chunk's nonzero ones
-            hg = 0
-            for i in range(tid, n, T):
-                my_key[hg] = g_key[i]
-                my_depth[hg] = g_depth[i]
-                my_pos[hg] = i + _count_larger(cand, m, g_key[i])
-                hg += 1
-            h = hg
-            for j in range(tid, m, T):
-                if cand[j] != 0:
-                    my_key[h] = cand[j]
-                    my_depth[h] = int16(d)
-                    my_pos[h] = j + _count_larger(g_key, n, cand[j])
-                    h += 1
+            # elements: slot q < G_HELD is G's i = tid + q T, slot G_HELD + q the chunk's
+            # j = tid + q T; a slot with nothing to move gets position B (never written)
+            for q in range(G_HELD):
+                i = tid + q * T
+                key = uint64(0)
+                dep = int16(0)
+                pos = B
+                if i < n:
+                    key = g_key[i]
+                    dep = g_depth[i]
+                    pos = i + _count_larger(cand, m, key)
+                my_key[q] = key
+                my_depth[q] = dep
+                my_pos[q] = pos
+            for q in range(C_HELD):
+                j = tid + q * T
+                key = uint64(0)
+                pos = B
+                if j < m:
+                    key = cand[j]
+                    if key != 0:
+                        pos = j + _count_larger(g_key, n, key)
+                my_key[G_HELD + q] = key
+                my_depth[G_HELD + q] = int16(d)
+                my_pos[G_HELD + q] = pos
             kept = min(B, n + _count_larger(cand, m, uint64(0)))   # nonzero keys: a prefix
             cuda.syncthreads()                             # every read done before the writes
-            for q in range(hg):                            # old position -> new one
-                newpos[tid + q * T] = my_pos[q] if my_pos[q] < B else -2
-            for q in range(h):                             # the first B of the merge
+            for q in range(G_HELD):                        # old position -> new one
+                i = tid + q * T
+                if i < n:
+                    newpos[i] = my_pos[q] if my_pos[q] < B else -2
+            for q in range(HELD):                          # the first B of the merge
                 if my_pos[q] < B:
                     g_key[my_pos[q]] = my_key[q]
                     g_depth[my_pos[q]] = my_depth[q]
@@ -322,3 +335,22 @@ def _select_levels_kernel(lp, budget, parents, depths, log_weights, next_token, 
             next_token[b, parent] = node
         if j > 0 and int32(cand[j - 1] >> uint64(32)) == parent:
             next_sibling[b, node] = int32(cand[j - 1] & uint64(0xFFFF))
+
+
+@kernel_for_block(LEVEL_THREADS)
+def _select_levels_kernel(lp, budget, parents, depths, log_weights, next_token, next_sibling,
+                          ranks, num_nodes):
+    """Grid ``(bs,)``, block ``(LEVEL_THREADS,)``; the node table of request ``b``."""
+    g_key = cuda.shared.array(NODE_CAPACITY, uint64)       # G, descending (pop order)
+    g_depth = cuda.shared.array(NODE_CAPACITY, int16)
+    cand = cuda.shared.array(CAND_CAP, uint64)
+    plist = cuda.shared.array(NODE_CAPACITY, int32)        # this round's parents (positions)
+    offsets = cuda.shared.array(NODE_CAPACITY, int32)      # counts, then inclusive sums
+    newpos = cuda.shared.array(NODE_CAPACITY, int32)       # old position -> new (-2: dropped)
+    scratch = cuda.shared.array(SCAN_SCRATCH, int32)
+    lp_row = cuda.shared.array(NODE_CAPACITY, float32)    # lp[b, d - 1, :min(K, B)]
+    state = cuda.shared.array(2, int32)                    # [n = |G|, parents this round]
+    # a constant step (see _device.launch)
+    select_levels(lp, budget, parents, depths, log_weights, next_token, next_sibling, ranks,
+                  num_nodes, cuda.blockIdx.x, cuda.threadIdx.x, LEVEL_THREADS, g_key, g_depth,
+                  cand, plist, offsets, newpos, scratch, lp_row, state)

@@ -28,11 +28,14 @@ alike by all, from block-wide sums):
    towards the ``B``-th best key of the list (a radix select), the list is compacted, the
    children are counted again; if they still do not fit, the same with the pending children
    included (each one scored again where the select reads it, never stored); if they still do
-   not fit, ties crowd the list: ``num_nodes[b] = -1`` hands the request to the ``"levels"``
-   select, launched next (it returns at once for every other request).
-4. *Expand*: warp ``w`` takes parents ``w``, ``w + T / 32``, ...; lane ``l`` writes ranks
-   ``l``, ``l + 32``, ... of the parent: its child ``r`` is node ``n + (exclusive sum) + r``
-   (no search; the row is read coalesced).
+   not fit, ties crowd the list, and the block builds the tree with the ``"levels"`` select
+   instead (``build_tree_levels.select_levels``), in the same shared memory.
+4. *Expand*: the level's children lie parent after parent in rank order (child ``r`` of
+   parent ``u`` is entry ``n + (exclusive sum of u) + r``); thread ``t`` writes a run of about
+   ``M / T`` of them, finding its first parent by a binary search over the sums and each next
+   one by a step. (A warp a parent, as before, left most warps idle while a few walked the
+   widest level's parents one after another: 5.7 of the 12.4 us of expansions at budget 256,
+   ``benchmarks/NOTES.md``.)
 
 **The end.** If more than ``2^ceil(log2(B + 1)) - 1`` non-root nodes are listed, the floor
 rises towards ``T``, the ``B``-th best score, so that the sort pads to no more slots than
@@ -48,19 +51,26 @@ the bin that holds the ``k``-th key: 3 barriers and a pass over the keys a round
 after the first round whose bin edge leaves at most ``B`` + 32 keys during the levels (the
 model's ``floor_caps``), or ``2^ceil(log2(B + 1)) - 1`` at the end: the edge is a floor too.
 
-Shared memory (static): the list 22 528 B (``CAPACITY`` x 11 B), ``work`` 16 384 B, the row
-4 224 B, histogram 1 024 B, scan and flags under 100 B: 44.2 KB on a GPU (< 48 KB).
+Shared memory: one dynamic block of ``ARENA_BYTES`` (``_device.shared_layout``), seen as one
+array of each type. The list takes 22 528 B (``CAPACITY`` x 11 B),
+``work`` 16 384 B, the row 4 224 B, the histogram 1 024 B, scan and flags under 100 B: 44.2 KB
+on a GPU. The fall-back's arrays (43.9 KB) lie over the same bytes: it starts after a barrier,
+when nothing of the list is read again. (With static arrays the two sets would need 88 KB: one
+block an SM of sm_120's 100 KB; the fall-back launched as a kernel of its own cost the graph 3.5
+us warm and up to 11 after an L2 flush at bs 1, though it returned at once.)
 """
 
 from __future__ import annotations
 
+import numpy as np
 from numba import cuda, float32, int8, int16, int32, uint32, uint64
 
 from ..limits import MAX_NODES
 from ..reference.build_tree_threshold import CAPACITY as GPU_CAPACITY
 from ..reference.build_tree_threshold import FINITE_FLOOR as _FINITE_FLOOR
-from ._device import SIMULATOR, kernel_for_block
+from ._device import SIMULATOR, STATIC_SHARED_LIMIT, kernel_for_block, shared_layout
 from ._primitives import block_inclusive_scan, block_scan_scratch, key_of_float, sort_desc_any
+from .build_tree_levels import CAND_CAP, LEVEL_THREADS, NODE_CAPACITY, select_levels
 
 THREADS = 32 if SIMULATOR else 512
 # the simulator takes a small list, so that its tests overflow it and cover every path
@@ -70,12 +80,27 @@ ROW = MAX_NODES                             # a row's staged ranks: < min(K, B) 
 ROW_PER_THREAD = -(-ROW // THREADS)         # next-row values a thread prefetches
 BINS = 256                                  # the radix select's 8-bit digits
 SCAN_SCRATCH = block_scan_scratch(THREADS)
-FALLBACK = -1                               # num_nodes[b]: the "levels" select takes it
 FINITE_FLOOR = uint32(_FINITE_FLOOR)
 LOW = uint64(0xFFFFFFFF)
 KEY_POS_INF = uint32(0xFF800000)        # the key of +inf: larger keys are NaNs
 assert CAPACITY % THREADS == 0 and CAPACITY & (CAPACITY - 1) == 0 and CAPACITY <= 4096
 assert BINS <= THREADS or BINS % THREADS == 0
+assert THREADS >= LEVEL_THREADS and THREADS % 32 == 0   # the fall-back's merge: HELD a thread
+
+# The one dynamic shared block: the list's arrays, then (at the fall-back, the same bytes)
+# the "levels" select's; offsets in elements of each array's type
+(AT_WORK, AT_SCORE, AT_ROW, AT_HIST, AT_SCRATCH, AT_FOUND, AT_FLAGS, AT_PARENT, AT_RANK,
+ AT_MULT, AT_DEPTH), LIST_BYTES = shared_layout(
+    (np.uint64, CAPACITY), (np.float32, CAPACITY), (np.float32, ROW), (np.int32, BINS),
+    (np.int32, SCAN_SCRATCH), (np.int32, 3), (np.int32, 4), (np.int16, CAPACITY),
+    (np.int16, CAPACITY), (np.int16, CAPACITY), (np.int8, CAPACITY))
+(AT_G_KEY, AT_CAND, AT_LEVELS_ROW, AT_PLIST, AT_OFFSETS, AT_NEWPOS, AT_LEVELS_SCRATCH, AT_STATE,
+ AT_G_DEPTH), LEVELS_BYTES = shared_layout(
+    (np.uint64, NODE_CAPACITY), (np.uint64, CAND_CAP), (np.float32, NODE_CAPACITY),
+    (np.int32, NODE_CAPACITY), (np.int32, NODE_CAPACITY), (np.int32, NODE_CAPACITY),
+    (np.int32, SCAN_SCRATCH), (np.int32, 2), (np.int16, NODE_CAPACITY))
+ARENA_BYTES = max(LIST_BYTES, LEVELS_BYTES)   # the launch's dynamic shared memory
+assert ARENA_BYTES <= STATIC_SHARED_LIMIT     # no opt-in needed, on sm_90 or sm_120
 
 
 @cuda.jit(device=True, inline=True)
@@ -160,6 +185,39 @@ def _count_children(score, mult, lp_row, work, scratch, start, n, d, K, B, floor
                                                  floor))
     cuda.syncthreads()                      # counts in place
     return _scan_in_place(work, P, scratch, tid, T)
+
+
+@cuda.jit(device=True, inline=True)
+def _expand(score, parent, rank, depth, mult, work, lp_row, n, start, M, d, B, tid, T):
+    """Step 4: the level's ``M`` children at list entries ``n .. n + M - 1`` (``work[0:P]``
+    the inclusive sums of parents ``start .. n - 1``'s counts), this thread's run of them."""
+    P = n - start
+    per = ((M + T - 1) // T) | 1                # children a thread: odd, see the caller
+    j = int32(tid * per)
+    j_end = int32(min(j + per, M))
+    u = int32(0)
+    first = int32(0)                            # the level's index of parent u's rank 0
+    end = int32(0)                              # ... and one past its last child
+    s_p = float32(0.0)
+    m_p = int32(1)
+    while j < j_end:
+        if j >= end:                            # parent u is done (end 0: none found yet)
+            if end > 0 and u + 1 < P and int32(work[u + 1]) > j:
+                u = int32(u + 1)                # the next parent has children: a step
+            else:
+                u, _ = _parent_of(work, P, j)   # else search (the first child, or a gap)
+            first = int32(work[u - 1]) if u > 0 else int32(0)
+            end = int32(work[u])
+            s_p = score[start + u]
+            m_p = int32(mult[start + u])
+        r = j - first
+        c = uint32(n + j)
+        score[c] = s_p + lp_row[r]              # one float32 rounding, as the reference
+        parent[c] = int16(start + u)
+        rank[c] = int16(r)
+        depth[c] = int8(d + 1)
+        mult[c] = int16(min(m_p * (r + 1), B + 1))
+        j = int32(j + 1)
 
 
 @cuda.jit(device=True, inline=True)
@@ -276,8 +334,8 @@ def _entry_of(key):
 @kernel_for_block(THREADS)
 def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_token,
                              next_sibling, ranks, num_nodes):
-    """Grid ``(bs,)``, block ``(THREADS,)``; the node table of request ``b`` (or
-    ``num_nodes[b] = -1``: the fall-back takes it)."""
+    """Grid ``(bs,)``, block ``(THREADS,)``, ``ARENA_BYTES`` of dynamic shared memory; the
+    node table of request ``b``."""
     b = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     # the loops stride by blockDim.x (a division at each loop's entry, _device.launch), not by
@@ -287,17 +345,24 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
     L, K = lp.shape[1], lp.shape[2]
     N = parents.shape[1]
     B = int32(budget)
-    score = cuda.shared.array(CAPACITY, float32)
-    parent = cuda.shared.array(CAPACITY, int16)
-    rank = cuda.shared.array(CAPACITY, int16)
-    depth = cuda.shared.array(CAPACITY, int8)
-    mult = cuda.shared.array(CAPACITY, int16)      # m(u); in the end the node's position
-    work = cuda.shared.array(CAPACITY, uint64)     # counts and sums; keep flags; sort keys
-    lp_row = cuda.shared.array(ROW, float32)       # lp[b, d, :min(K, B)]
-    hist = cuda.shared.array(BINS, int32)
-    scratch = cuda.shared.array(SCAN_SCRATCH, int32)
-    found = cuda.shared.array(3, int32)            # the radix select's digit, rank, reach
-    flags = cuda.shared.array(4, int32)            # the final sorts' "tie", "moved", by parity
+    # one dynamic shared block (ARENA_BYTES) seen as arrays of five types, all aliasing its
+    # first byte; the list's arrays are slices of them (the fall-back's too, at the end)
+    u64 = cuda.shared.array(0, uint64)
+    f32 = cuda.shared.array(0, float32)
+    i32 = cuda.shared.array(0, int32)
+    i16 = cuda.shared.array(0, int16)
+    i8 = cuda.shared.array(0, int8)
+    work = u64[AT_WORK:AT_WORK + CAPACITY]         # counts and sums; keep flags; sort keys
+    score = f32[AT_SCORE:AT_SCORE + CAPACITY]
+    lp_row = f32[AT_ROW:AT_ROW + ROW]              # lp[b, d, :min(K, B)]
+    hist = i32[AT_HIST:AT_HIST + BINS]
+    scratch = i32[AT_SCRATCH:AT_SCRATCH + SCAN_SCRATCH]
+    found = i32[AT_FOUND:AT_FOUND + 3]             # the radix select's digit, rank, reach
+    flags = i32[AT_FLAGS:AT_FLAGS + 4]             # the final sorts' "tie", "moved", by parity
+    parent = i16[AT_PARENT:AT_PARENT + CAPACITY]
+    rank = i16[AT_RANK:AT_RANK + CAPACITY]
+    mult = i16[AT_MULT:AT_MULT + CAPACITY]         # m(u); in the end the node's position
+    depth = i8[AT_DEPTH:AT_DEPTH + CAPACITY]
     ahead = cuda.local.array(ROW_PER_THREAD, float32)
 
     width0 = min(K, B)                             # ranks ever read from a row
@@ -327,7 +392,8 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
     d = int32(0)
     # One pass a level, then one for the end. Every thread takes the same branches (the
     # decisions read only values that are alike in all of them), and each helper has one
-    # call site: the kernel's code stays small enough for the instruction cache.
+    # call site (but _parent_of, a short search, has two): the kernel's code stays small
+    # enough for the instruction cache.
     while not fallback:
         level = d < L and start < n                # False: the end
         if level:
@@ -360,21 +426,13 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
         if n + M > CAPACITY:                       # ties crowd the list
             fallback = True
             break
-        # 4. expand: warp w writes the children of parents w, w + T / 32, ...; lane l
-        #    writes ranks l, l + 32, ... of one (child r of parent u is node n + its
-        #    exclusive sum + r: no search, and a parent's row is read coalesced)
-        for u in range(tid >> 5, n - start, T >> 5):
-            first = int32(work[u - 1]) if u > 0 else int32(0)
-            p = uint32(start + u)
-            s_p = score[p]
-            m_p = int32(mult[p])
-            for r in range(tid & 31, int32(work[u]) - first, 32):
-                c = uint32(n + first + r)
-                score[c] = s_p + lp_row[r]         # one float32 rounding, as the reference
-                parent[c] = int16(p)
-                rank[c] = int16(r)
-                depth[c] = int8(d + 1)
-                mult[c] = int16(min(m_p * (r + 1), B + 1))
+        # 4. expand: the level's children j = 0 .. M - 1 lie parent after parent in rank
+        #    order (child j of the level is node n + j). Thread t writes the run j = t s ..
+        #    t s + s - 1, s = ceil(M / T) made odd (lanes' runs then start in different
+        #    banks): its first parent by a binary search over the sums, each next one by a
+        #    step (or by a search again, past parents without children). Every thread writes
+        #    about M / T children however the parents' widths differ.
+        _expand(score, parent, rank, depth, mult, work, lp_row, n, start, M, d, B, tid, T)
         cuda.syncthreads()                         # the level written, lp_row read
         for q in range(ROW_PER_THREAD):
             r = tid + q * T
@@ -386,8 +444,18 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
         d += 1
 
     if fallback:                                   # uniform: no barrier is skipped
-        if tid == 0:
-            num_nodes[b] = FALLBACK
+        # ties crowd the list: the "levels" select builds the tree instead, in this block and
+        # in the same shared memory (its arrays are other slices of the block)
+        cuda.syncthreads()                         # every read of the list done
+        select_levels(lp, B, parents, depths, log_weights, next_token, next_sibling, ranks,
+                      num_nodes, b, tid, T, u64[AT_G_KEY:AT_G_KEY + NODE_CAPACITY],
+                      i16[AT_G_DEPTH:AT_G_DEPTH + NODE_CAPACITY],
+                      u64[AT_CAND:AT_CAND + CAND_CAP], i32[AT_PLIST:AT_PLIST + NODE_CAPACITY],
+                      i32[AT_OFFSETS:AT_OFFSETS + NODE_CAPACITY],
+                      i32[AT_NEWPOS:AT_NEWPOS + NODE_CAPACITY],
+                      i32[AT_LEVELS_SCRATCH:AT_LEVELS_SCRATCH + SCAN_SCRATCH],
+                      f32[AT_LEVELS_ROW:AT_LEVELS_ROW + NODE_CAPACITY],
+                      i32[AT_STATE:AT_STATE + 2])
         return
 
     # the order: sort by (score, parent's position, index) until the positions settle
