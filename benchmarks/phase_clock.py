@@ -26,10 +26,11 @@ Three kernels:
   the next row stored; ``600 + i`` the i-th final sort; ``700`` the node table; ``800`` the
   links.
 
-Kernels are launched back to back, without an L2 flush and outside a graph. Compare phases with
-each other, not the totals with the benchmarks. Each mark adds a few instructions to thread 0.
-The anchors are lines of the kernels' source: if one has changed, the script stops and names
-it. Writes ``$OUT/phase_clock.txt``.
+``python phase_clock.py [resident] [filtered] [threshold]`` runs the reports named (all three
+by default). Kernels are launched back to back, without an L2 flush and outside a graph.
+Compare phases with each other, not the totals with the benchmarks. Each mark adds a few
+instructions to thread 0. The anchors are lines of the kernels' source: if one has changed,
+the script stops and names it. Writes ``$OUT/phase_clock.txt``.
 """
 
 from __future__ import annotations
@@ -224,7 +225,7 @@ def filtered_edits():
     12 (candidates sorted), and per warp ``w``: 16 + w its loop's end, 24 + w its tiles that
     appended, 32 + w its compactions before a fast append, 40 + w its slow appends."""
     sig = ("    def filter_select(words, bits, wlo, whi, k, tid, buf, top, hist, scratch, result, "
-           "red_u,\n                      red_f, n_cand, counts, floor_b):")
+           "red_u,\n                      red_f, n_cand, counts, floor_b, slice_lo):")
     reset = ("        cuda.syncthreads()                  # block state reset before any warp "
              "reads it\n")
     guessed = ("        cuda.syncthreads()                  # every warp's guess in floor_b[1]\n")
@@ -245,11 +246,12 @@ def filtered_edits():
     gathered = "        cuda.syncthreads()                  # all gathered\n"
     sort = "        sort_desc_any(top, n_cand[0], tid, T)\n"
     kernel = "    def whole_row_kernel(words, bits, k, top_log_probs, top_token_ids):\n"
-    body = "        tid = cuda.threadIdx.x\n        buf, top, hist"
-    call = "                                    counts, floor_b)\n        lse = m + math.log(total)"
+    body = "        tid = cuda.threadIdx.x\n        (buf, top, hist"
+    call = ("                                    counts, floor_b, slice_lo)\n"
+            "        lse = m + math.log(total)")
     write_top = ("        _write_top(top, k, lse, row_id, tid, FILTER_THREADS, top_log_probs, "
                  "top_token_ids)\n\n    @kernel_for_block")
-    return [(sig, sig.replace("floor_b):", "floor_b, marks):")),
+    return [(sig, sig.replace("slice_lo):", "slice_lo, marks):")),
             (reset, reset + mark(8, "1")),
             (guessed, guessed + mark(8, "2")),
             (start, start + "        appends = 0\n        compactions = 0\n"
@@ -264,9 +266,9 @@ def filtered_edits():
              "            marks[12] = n_cand[0]\n"),
             (sort, sort + mark(8, "6")),
             (kernel, kernel.replace("top_token_ids):", "top_token_ids, all_marks):")),
-            (body, body.replace("        buf,", "        marks = all_marks[row_id]\n"
-                                + mark(8, "10", fn="ns") + mark(8, "0") + "        buf,")),
-            (call, call.replace("floor_b)", "floor_b, marks)")),
+            (body, body.replace("        (buf,", "        marks = all_marks[row_id]\n"
+                                + mark(8, "10", fn="ns") + mark(8, "0") + "        (buf,")),
+            (call, call.replace("slice_lo)", "slice_lo, marks)")),
             (write_top, write_top.replace("\n\n    @kernel_for_block",
                                           "\n" + mark(8, "7") + mark(8, "11", fn="ns")
                                           + "\n    @kernel_for_block"))]
@@ -404,11 +406,17 @@ def main():
         print(line, flush=True)
         lines.append(line)
 
+    reports = {"resident": resident_report, "filtered": filtered_report,
+               "threshold": threshold_report}
+    chosen = sys.argv[1:] or list(reports)
+    unknown = [name for name in chosen if name not in reports]
+    if unknown:
+        sys.exit(f"phase_clock.py: unknown report {unknown[0]!r}; expected some of "
+                 f"{', '.join(reports)}")
     name = cuda.get_current_device().name
     write(f"phase_clock on {name.decode() if isinstance(name, bytes) else name}")
-    resident_report(write)
-    filtered_report(write)
-    threshold_report(write)
+    for report in chosen:
+        reports[report](write)
     with open(os.path.join(out_dir, "phase_clock.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -180,9 +180,12 @@ def _cut_of(key):
 @cuda.jit(device=True, inline=True)
 def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
     """Warp-collective (all 32 lanes, uniform arguments): raise the floor of the held set
-    ``buf[base : base + n]`` (every key ``>= floor``; ``n > need``) to the lower edge of the
-    histogram bin that holds its ``need``-th largest key, drop the keys below, and return
-    ``(new n, new floor)``."""
+    ``buf[base : base + n]`` (``n > need``) to the lower edge of the histogram bin that holds
+    its ``need``-th largest key at or above ``floor``, drop the keys below, and return
+    ``(new n, new floor)``. Held keys are ``>= floor`` but for two kinds the filter's float
+    compare lets through: a ``-0.0`` under a ``+0.0`` floor and a NaN whose key is below the
+    floor's. When fewer than ``need`` keys reach ``floor`` the floor stays and those are
+    dropped; that happens only under a guessed floor, which the end checks (module notes)."""
     cuda.syncwarp()                         # the lanes' appends to buf visible to the warp
     top = uint32(0)
     for j in range(lane, n, 32):
@@ -192,8 +195,8 @@ def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
     hi = top
     # ... in 256 bins of 2**shift keys. (uint32() throughout: numba widens uint32 - uint32
     # to 64 bits, and clz of a 64-bit span would be 32 more, the shift 0, the bins past 255).
-    # hi < lo only where every held key is a NaN below a guessed floor: no key is in range,
-    # the new floor is lo and the keep pass drops them all
+    # hi < lo only where every held key is below the floor (a -0.0 or a NaN, see above): no
+    # key is in range, the new floor is lo and the keep pass drops them all
     span = uint32(hi - lo) if hi >= lo else uint32(0)
     shift = uint32(max(0, 24 - cuda.clz(span))) if span > 0 else uint32(0)
     above = 0                               # held keys above [lo, hi]
@@ -217,7 +220,11 @@ def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
         incl = warp_inclusive_scan(int32(local), lane)
         excl = incl - local
         hit = above + excl < need and need <= above + incl
-        src = cuda.ffs(cuda.ballot_sync(FULL_MASK, hit)) - 1     # exactly one lane
+        hits = cuda.ballot_sync(FULL_MASK, hit)
+        if hits == 0:                       # fewer than need keys in [lo, hi] (first pass
+            b = 0                           # only, keys below the floor): the floor stays
+            break
+        src = cuda.ffs(hits) - 1            # exactly one lane
         if hit:
             b = first
             run = above + excl
@@ -255,9 +262,10 @@ def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
 
 @cuda.jit(device=True, inline=True)
 def _compact_and_share(buf, base, n, floor, need, hist, hbase, lane, lanes_below, floor_b):
-    """``_compact``, then the new floor shared with the block (a shared atomic max: any
-    warp's floor is a valid one for all) and the filter's new cut, ``max(own floor, the
-    block's)``. Returns ``(new n, new floor, cut)``."""
+    """``_compact``, then the new floor shared with the block (a shared atomic max: a
+    warp's floor is valid for all where the warp's own is, i.e. always without a guessed
+    floor, and under one as far as the guess is, which the end checks) and the filter's new
+    cut, ``max(own floor, the block's)``. Returns ``(new n, new floor, cut)``."""
     n, floor = _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below)
     cuda.atomic.max(floor_b, 0, floor)
     return n, floor, _cut_of(max(floor, floor_b[0]))
@@ -339,7 +347,7 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
 
     @cuda.jit(device=True, inline=True)
     def filter_select(words, bits, wlo, whi, k, tid, buf, top, hist, scratch, result, red_u,
-                      red_f, n_cand, counts, floor_b):
+                      red_f, n_cand, counts, floor_b, slice_lo):
         """All threads call it; afterwards ``top[0:kk]`` holds the ``kk = min(k, logits)``
         best packed candidates of ``words[wlo:whi]``, best first. Returns ``(m, s, kk)``: the
         slice's max logit and sum of ``exp(x - m)``."""
@@ -354,6 +362,7 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
         if tid == 0:
             floor_b[0] = uint32(0)          # key 0: below every logit (no floor yet)
             counts[WARPS] = 0               # the overflow flag
+            slice_lo[0] = wlo               # the slice's start, for the fallback (below)
             floor_b[1] = uint32(0xFFFFFFFF) if r > 0 else uint32(0)     # the guessed floor
         cuda.syncthreads()                  # block state reset before any warp reads it
 
@@ -412,7 +421,9 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
             cut = _cut_of(max(floor, floor_b[0]))
             # first the cheap exit: no lane's tile max reaches the cut (nor has a lane met a
             # NaN, which the max skips and the filter holds: then s is NaN, or m is still
-            # -inf), so no logit of the tile passes: skip the per-logit compares
+            # -inf), so no logit of the tile passes: skip the per-logit compares. (A lane
+            # that has seen only -inf, e.g. past the slice's end, takes the compares too:
+            # time, not a wrong result)
             reach = not tile_max < cut or not s == s or not m > NEG_INF
             if cuda.ballot_sync(FULL_MASK, reach) == 0:
                 tile += stride              # (uniform: the whole warp skips)
@@ -535,8 +546,12 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
         if counts[WARPS] != 0 or short or kk - need + ties > TOP_CAP:
             # a warp overflowed, the guessed floor was too high, or too many ties at the
             # kk-th key: the two-pass select on the slice (reads it again), its best kk
-            # copied to top
-            big, total, _ = select_top(bits, wlo * per_word, whi * per_word, k, tid, T, buf,
+            # copied to top. The slice's start is read back from shared memory: nothing
+            # after the tile loop but this needs it, and held in a register across the loop
+            # it was the value NVVM 13.0 spilled in the row-slices kernel at the
+            # 128-register bound (sm_90)
+            lo = slice_lo[0]
+            big, total, _ = select_top(bits, lo * per_word, whi * per_word, k, tid, T, buf,
                                        hist, scratch, result, red_u, red_f, n_cand)
             for j in range(tid, kk, T):
                 top[j] = buf[j]
@@ -560,8 +575,8 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
     @cuda.jit(device=True, inline=True)
     def shared_state():
         """The kernel's shared arrays, one a line (the simulator tells them apart by line):
-        ``(buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, floor_b)``,
-        47 KiB on a GPU."""
+        ``(buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, floor_b,
+        slice_lo)``, 47 KiB on a GPU."""
         buf = cuda.shared.array(SORT_CAP, uint64)       # held sets; the fallback's candidates
         top = cuda.shared.array(TOP_CAP, uint64)        # the final candidates
         hist = cuda.shared.array(BINS, int32)           # compactions' bins; the final select
@@ -572,17 +587,20 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
         n_cand = cuda.shared.array(1, int32)
         counts = cuda.shared.array(COUNTS, int32)       # held per warp; [WARPS]: overflow
         floor_b = cuda.shared.array(2, uint32)          # [1]: the guessed floor
-        return buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, floor_b
+        slice_lo = cuda.shared.array(1, int32)          # the slice's first word
+        return (buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, floor_b,
+                slice_lo)
 
     @kernel_for_block(FILTER_THREADS, BLOCKS_PER_SM)
     def whole_row_kernel(words, bits, k, top_log_probs, top_token_ids):
         """Grid ``(rows,)``, block ``(FILTER_THREADS,)``: row ``words[row]`` -> K outputs."""
         row_id = cuda.blockIdx.x
         tid = cuda.threadIdx.x
-        buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, floor_b = shared_state()
+        (buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, floor_b,
+         slice_lo) = shared_state()
         m, total, _ = filter_select(words[row_id], bits[row_id], 0, words.shape[1], k, tid,
                                     buf, top, hist, scratch, result, red_u, red_f, n_cand,
-                                    counts, floor_b)
+                                    counts, floor_b, slice_lo)
         lse = m + math.log(total) if m > NEG_INF else NEG_INF
         _write_top(top, k, lse, row_id, tid, FILTER_THREADS, top_log_probs, top_token_ids)
 
@@ -596,14 +614,15 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
         n_words = words.shape[1]
         lo = min(p * chunk, n_words)
         hi = min(lo + chunk, n_words)
-        buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, floor_b = shared_state()
+        (buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, floor_b,
+         slice_lo) = shared_state()
         if lo == hi:                        # an empty slice (the whole block returns here)
             store_part(top, 0, NEG_INF, float32(0.0), row_id, p, k, tid, FILTER_THREADS,
                        part_keys, part_max, part_sum)
             return
         m, total, kk = filter_select(words[row_id], bits[row_id], lo, hi, k, tid, buf, top,
                                      hist, scratch, result, red_u, red_f, n_cand, counts,
-                                     floor_b)
+                                     floor_b, slice_lo)
         store_part(top, kk, m, total, row_id, p, k, tid, FILTER_THREADS, part_keys, part_max,
                    part_sum)
 
