@@ -156,9 +156,10 @@ def launch(kernel, griddim, blockdim, stream=None, shared_bytes=0):
     module names as a constant (``FINISH_THREADS``, ``TOPK_THREADS``, ...), which their
     launchers always use, not by ``cuda.blockDim.x``. (The threshold select and
     ``accept_commit`` keep ``blockDim.x``: with the constant LLVM unrolled their loops into
-    more registers than their blocks afford; so does the levels select where the threshold
-    select runs it as its fall-back; ``verify_attn``'s merge kernels and the model's
-    dense kernels run one such loop a block.) Numba sets up ``range(tid, n, step)`` by
+    more registers than their blocks afford; the levels select, run by the threshold select
+    as its fall-back, takes the threshold select's ``blockDim.x`` as its step;
+    ``verify_attn``'s merge kernels and the model's dense kernels run one such loop a
+    block.) Numba sets up ``range(tid, n, step)`` by
     computing its trip count, a division by ``step``. By a constant that is a shift; by
     ``blockDim.x`` it is a signed division at every loop entry, a call of about 70
     instructions when an operand is 64-bit (a shape). The finish kernel of ``build_tree``

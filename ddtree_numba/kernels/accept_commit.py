@@ -118,7 +118,8 @@ def _accept_commit_kernel(token_ids, next_token, next_sibling, target_predict, k
     # them, they cost sm_120 16 B of spills under the two-blocks-an-SM cap of 64 registers)
     if mine < items:
         layer = mine // words
-        read_chunk(kv_words[layer], plan, moved, mine - layer * words, vals, 0)
+        col = mine - layer * words                  # the item's word of its layer's rows
+        read_chunk(kv_words[layer], plan, moved, col, vals, 0)
     if part == 0:
         write_accept_rows(b, path, k, result[1], tok, tid, threads, N, accept_nodes,
                           accept_len, accept_tokens, bonus_token)
@@ -126,8 +127,9 @@ def _accept_commit_kernel(token_ids, next_token, next_sibling, target_predict, k
             new_prefix_lens[b] = P + k + 1 if valid else P
     if mine < items:
         layer = mine // words
-        write_chunk(kv_words[layer], plan, moved, mine - layer * words, vals, 0)
-        commit_column(kv_words[layer], plan, moved, mine - layer * words, vals, CHUNK)
+        col = mine - layer * words
+        write_chunk(kv_words[layer], plan, moved, col, vals, 0)
+        commit_column(kv_words[layer], plan, moved, col, vals, CHUNK)
     # further items (only where a grid of MAX_PARTS blocks a request is too few)
     for item in range(mine + cuda.gridDim.y * threads, items, cuda.gridDim.y * threads):
         layer = item // words

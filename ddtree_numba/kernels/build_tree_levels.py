@@ -30,8 +30,9 @@ m - 1`` (a parent's taken children are a prefix of its row).
 The body is the device function ``select_levels``: ``_select_levels_kernel`` calls it
 with static shared arrays, and the ``"threshold"`` select calls it as its fall-back with slices
 of its own shared memory (``build_tree_threshold``), in a block of the same ``LEVEL_THREADS``
-(512) threads. (Until then this kernel ran 1 024 threads and kept a merge's elements in a local
-array indexed at run time, 64 B of stack; the timings in the docs are from that build.)
+(512) threads. (Before the twenty-ninth session this kernel ran 1 024 threads and kept a
+merge's elements in a local array indexed at run time, 64 B of stack; the timings in the docs
+are from that build.)
 
 Barriers: a round is bound by them (about 7 us a round on the H200 with the shared-memory scan
 and sort, 1 024 threads). On a GPU the two block scans take 3 barriers each, and a sort takes

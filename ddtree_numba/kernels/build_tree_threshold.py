@@ -33,9 +33,9 @@ alike by all, from block-wide sums):
 4. *Expand*: the level's children lie parent after parent in rank order (child ``r`` of
    parent ``u`` is entry ``n + (exclusive sum of u) + r``); thread ``t`` writes a run of about
    ``M / T`` of them, finding its first parent by a binary search over the sums and each next
-   one by a step. (A warp a parent, as before, left most warps idle while a few walked the
-   widest level's parents one after another: 5.7 of the 12.4 us of expansions at budget 256,
-   ``benchmarks/NOTES.md``.)
+   one by a step. (The earlier scheme, a warp a parent, left most warps idle while a few
+   walked the widest level's parents one after another: 5.7 of the 12.4 us of expansions at
+   budget 256, ``benchmarks/NOTES.md``.)
 
 **The end.** If more than ``2^ceil(log2(B + 1)) - 1`` non-root nodes are listed, the floor
 rises towards ``T``, the ``B``-th best score, so that the sort pads to no more slots than
@@ -190,9 +190,16 @@ def _count_children(score, mult, lp_row, work, scratch, start, n, d, K, B, floor
 @cuda.jit(device=True, inline=True)
 def _expand(score, parent, rank, depth, mult, work, lp_row, n, start, M, d, B, tid, T):
     """Step 4: the level's ``M`` children at list entries ``n .. n + M - 1`` (``work[0:P]``
-    the inclusive sums of parents ``start .. n - 1``'s counts), this thread's run of them."""
+    the inclusive sums of parents ``start .. n - 1``'s counts), this thread's run of them.
+
+    The children lie parent after parent in rank order (child ``j`` of the level is node
+    ``n + j``). Thread ``t`` writes the run ``j = t s .. t s + s - 1``, ``s = ceil(M / T)``
+    made odd (so that neighbouring lanes' runs start in different shared-memory banks): its
+    first parent by a binary search over the sums, each next one by a step (or by a search
+    again, past parents without children). Every thread writes about ``M / T`` children
+    however the parents' widths differ."""
     P = n - start
-    per = ((M + T - 1) // T) | 1                # children a thread: odd, see the caller
+    per = ((M + T - 1) // T) | 1                # children a thread: odd (the banks)
     j = int32(tid * per)
     j_end = int32(min(j + per, M))
     u = int32(0)
@@ -391,9 +398,9 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
     end_cap -= 1
     d = int32(0)
     # One pass a level, then one for the end. Every thread takes the same branches (the
-    # decisions read only values that are alike in all of them), and each helper has one
-    # call site (but _parent_of, a short search, has two): the kernel's code stays small
-    # enough for the instruction cache.
+    # decisions read only values that are alike in all of them), and most helpers have one
+    # call site (_parent_of, _children_above and _scan_in_place, short ones, have two): the
+    # kernel's code stays small enough for the instruction cache.
     while not fallback:
         level = d < L and start < n                # False: the end
         if level:
@@ -426,12 +433,7 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
         if n + M > CAPACITY:                       # ties crowd the list
             fallback = True
             break
-        # 4. expand: the level's children j = 0 .. M - 1 lie parent after parent in rank
-        #    order (child j of the level is node n + j). Thread t writes the run j = t s ..
-        #    t s + s - 1, s = ceil(M / T) made odd (lanes' runs then start in different
-        #    banks): its first parent by a binary search over the sums, each next one by a
-        #    step (or by a search again, past parents without children). Every thread writes
-        #    about M / T children however the parents' widths differ.
+        # 4. expand: each thread writes an even run of the level's children (_expand)
         _expand(score, parent, rank, depth, mult, work, lp_row, n, start, M, d, B, tid, T)
         cuda.syncthreads()                         # the level written, lp_row read
         for q in range(ROW_PER_THREAD):
@@ -447,15 +449,18 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
         # ties crowd the list: the "levels" select builds the tree instead, in this block and
         # in the same shared memory (its arrays are other slices of the block)
         cuda.syncthreads()                         # every read of the list done
+        g_key = u64[AT_G_KEY:AT_G_KEY + NODE_CAPACITY]             # G, in pop order
+        g_depth = i16[AT_G_DEPTH:AT_G_DEPTH + NODE_CAPACITY]
+        cand = u64[AT_CAND:AT_CAND + CAND_CAP]                     # a round's candidates
+        plist = i32[AT_PLIST:AT_PLIST + NODE_CAPACITY]             # a round's parents
+        offsets = i32[AT_OFFSETS:AT_OFFSETS + NODE_CAPACITY]       # counts, then sums
+        newpos = i32[AT_NEWPOS:AT_NEWPOS + NODE_CAPACITY]          # old position -> new
+        levels_scratch = i32[AT_LEVELS_SCRATCH:AT_LEVELS_SCRATCH + SCAN_SCRATCH]
+        levels_row = f32[AT_LEVELS_ROW:AT_LEVELS_ROW + NODE_CAPACITY]   # a row of lp
+        state = i32[AT_STATE:AT_STATE + 2]                         # |G|, parents a round
         select_levels(lp, B, parents, depths, log_weights, next_token, next_sibling, ranks,
-                      num_nodes, b, tid, T, u64[AT_G_KEY:AT_G_KEY + NODE_CAPACITY],
-                      i16[AT_G_DEPTH:AT_G_DEPTH + NODE_CAPACITY],
-                      u64[AT_CAND:AT_CAND + CAND_CAP], i32[AT_PLIST:AT_PLIST + NODE_CAPACITY],
-                      i32[AT_OFFSETS:AT_OFFSETS + NODE_CAPACITY],
-                      i32[AT_NEWPOS:AT_NEWPOS + NODE_CAPACITY],
-                      i32[AT_LEVELS_SCRATCH:AT_LEVELS_SCRATCH + SCAN_SCRATCH],
-                      f32[AT_LEVELS_ROW:AT_LEVELS_ROW + NODE_CAPACITY],
-                      i32[AT_STATE:AT_STATE + 2])
+                      num_nodes, b, tid, T, g_key, g_depth, cand, plist, offsets, newpos,
+                      levels_scratch, levels_row, state)
         return
 
     # the order: sort by (score, parent's position, index) until the positions settle
