@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import json
 import os
 import statistics
 import time
@@ -113,8 +114,11 @@ class Bench:
         return {"ms": statistics.median(times), "ms_min": min(times), "ms_max": max(times)}
 
     def add(self, **row):
+        """Keep a row for the CSV and print it at once, one JSON line: a run cut short by a
+        time limit (a device command's, say) still leaves the rows it measured."""
         row = {"bench": self.name, "gpu": self.gpu, "date": self.date, **row}
         self.rows.append(row)
+        print(json.dumps(row, default=str), flush=True)
         return row
 
     def write_csv(self) -> str:
