@@ -86,10 +86,11 @@ LP_CACHE = 4096                     # float32 log-probs staged in shared memory 
 SELECT_THREADS = 128                # warp variant: 1 warp pops, 4 warps set up and write out
 #: From this budget on, the default GPU select is ``"threshold"`` (no pops), below it
 #: ``"corners"`` (one pop at a time over the frontier's corners). On the H200
-#: (``benchmarks/NOTES.md``) the corners pops win at budgets 64 and 128 at every batch size;
-#: the threshold select wins at 1 024 (about 2x) and at 256 for bs 1 and 8 (38 % and 15 %;
-#: at bs 64 it is 2 % slower there).
-THRESHOLD_FROM_BUDGET = 256
+#: (``benchmarks/results/build_tree.csv``, 2026-12-05; graph replay, L2 flushed) the
+#: threshold select takes 42 / 57 / 59 us at budget 128 and bs 1 / 8 / 64 against the
+#: corners pops' 59 / 61 / 61, and wins more at 256 and 1 024; at budget 64 the pops win
+#: (30 / 32 / 32 against 31 / 38 / 50).
+THRESHOLD_FROM_BUDGET = 128
 NEG_INF = float32(-np.inf)
 
 
