@@ -42,7 +42,8 @@ def rows(name):
 
 
 def projection() -> list:
-    """``(label, bound, H200 us, bytes moved, projected us)``; the projection is never below
+    """``(label, bound, date of the H200 run, H200 us, sm_120 bandwidth floor us, projected
+    us)``; the projection is never below
     the time the RTX PRO 6000 needs to move the kernel's bytes once at its datasheet rate."""
     out = []
     for r in rows("build_tree"):
@@ -50,17 +51,18 @@ def projection() -> list:
             bs, N = int(r["bs"]), int(r["budget"]) + 1
             nbytes = bs * N * N + bs * N * ((N + 31) // 32) * 4     # visibility + bits
             out.append((f"build_tree bs={bs} budget={r['budget']}", "latency",
-                        float(r["gpu_us"]), nbytes))
+                        float(r["gpu_us"]), nbytes, r["date"]))
     for r in rows("ddtree_part"):           # the newest per-stage figures at bs 1: the
         label = f"bs={r['bs']} V={r['V']} K={r['K']} {r['logits']} logits"   # resident
         layers = f"cache {r['layers']} x {r['cache']}"                     # draft_topk and
         nbytes = int(r["bs"]) * 15 * int(r["V"]) * (4 if r["logits"] == "float32" else 2)
         out.append((f"draft_topk resident {label} (DDTree part)", "latency",   # one block's
-                    float(r["draft_topk_us"]), nbytes))                       # chain each
+                    float(r["draft_topk_us"]), nbytes, r["date"]))            # chain each
         out.append((f"build_tree threshold bs={r['bs']} budget={r['budget']} (DDTree part, "
-                    f"{r['logits']} logits)", "latency", float(r["build_tree_us"]), 0))
+                    f"{r['logits']} logits)", "latency", float(r["build_tree_us"]), 0,
+                    r["date"]))
         out.append((f"accept_commit bs={r['bs']} N={int(r['budget']) + 1} {layers} (DDTree "
-                    "part)", "launch", float(r["accept_commit_us"]), 0))
+                    "part)", "launch", float(r["accept_commit_us"]), 0, r["date"]))
     for r in rows("draft_topk"):
         # bs 1 with K <= 256 now takes the resident kernel (its rows above); these rows
         # predate it
@@ -75,7 +77,8 @@ def projection() -> list:
             us = float(r["gpu_us"] if r.get("variant", "two_pass") == variant
                        else r["two_pass_us"])
             out.append((f"draft_topk bs={bs} V={r['V']} K=256 {r['dtype']} {variant} "
-                        f"({r.get('parts') or 1} blocks per row)", "issue", us, nbytes))
+                        f"({r.get('parts') or 1} blocks per row)", "issue", us, nbytes,
+                        r["date"]))
     for r in rows("accept_commit"):
         if r["N"] != "1025":
             continue
@@ -84,34 +87,35 @@ def projection() -> list:
         moved = int(r["bs"]) * float(r["mean_accept_len"]) * layers * 576 * item * 2
         if layers == 1:
             out.append((f"tree_accept bs={r['bs']} N=1025", "launch",
-                        float(r["tree_accept_us"]), 0))
+                        float(r["tree_accept_us"]), 0, r["date"]))
         out.append((f"commit_kv x{layers} bs={r['bs']} N=1025 {r.get('cache', 'float32')}",
-                    "launch", float(r["commit_kv_us"]), moved))
+                    "launch", float(r["commit_kv_us"]), moved, r["date"]))
         if r.get("accept_commit_us"):
             out.append((f"accept_commit ({layers} layers) bs={r['bs']} N=1025", "launch",
-                        float(r["accept_commit_us"]), moved))
+                        float(r["accept_commit_us"]), moved, r["date"]))
     for r in rows("verify_attn"):
         if r["dtype"] == "float32":
             bs, T = int(r["bs"]), int(r["prefix"]) + int(r["N"])
             out.append((f"verify_attn bs={bs} N={r['N']} P={r['prefix']} H={r['H']}",
-                        "issue", float(r["gpu_us"]), bs * T * 576 * 4))
+                        "issue", float(r["gpu_us"]), bs * T * 576 * 4, r["date"]))
     for r in rows("verify_attn_mma"):       # the tensor-core variant, bf16 cache: latency-
         bs, T = int(r["bs"]), int(r["prefix"]) + int(r["N"])    # and issue-bound (3-26 % of
         out.append((f"verify_attn mma bf16 bs={bs} N={r['N']} P={r['prefix']} H={r['H']}",
-                    "issue", float(r["mma_us"]), bs * T * 576 * 2))   # the tensor pipe)
+                    "issue", float(r["mma_us"]), bs * T * 576 * 2, r["date"]))  # tensor pipe)
     result = []
-    for label, bound, us, nbytes in out:
+    for label, bound, us, nbytes, date in out:
         floor_us = nbytes / (RTX_PRO_6000["bandwidth_tbs"] * 1e12) * 1e6
-        result.append((label, bound, us, floor_us, max(us * SCALE[bound], floor_us)))
+        result.append((label, bound, date, us, floor_us, max(us * SCALE[bound], floor_us)))
     return result
 
 
 def markdown() -> str:
-    lines = ["| kernel and size | bound on the H200 | H200 measured (us) | "
+    lines = ["| kernel and size | bound on the H200 | H200 run | H200 measured (us) | "
              "sm_120 bandwidth floor (us) | RTX PRO 6000 projected (us) |",
-             "|---|---|---:|---:|---:|"]
-    for label, bound, us, floor_us, projected in projection():
-        lines.append(f"| {label} | {bound} | {us:,.1f} | {floor_us:,.1f} | {projected:,.1f} |")
+             "|---|---|---|---:|---:|---:|"]
+    for label, bound, date, us, floor_us, projected in projection():
+        lines.append(f"| {label} | {bound} | {date} | {us:,.1f} | {floor_us:,.1f} | "
+                     f"{projected:,.1f} |")
     lines.append("")
     lines.append(f"Scale factors: latency x{SCALE['latency']:.2f} (clock "
                  f"{H200['clock_ghz']:.2f} -> {RTX_PRO_6000['clock_ghz']:.2f} GHz), issue "
