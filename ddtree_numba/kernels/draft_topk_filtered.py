@@ -182,10 +182,11 @@ def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
     """Warp-collective (all 32 lanes, uniform arguments): raise the floor of the held set
     ``buf[base : base + n]`` (``n > need``) to the lower edge of the histogram bin that holds
     its ``need``-th largest key at or above ``floor``, drop the keys below, and return
-    ``(new n, new floor)``. Held keys are ``>= floor`` but for two kinds the filter's float
-    compare lets through: a ``-0.0`` under a ``+0.0`` floor and a NaN whose key is below the
-    floor's. When fewer than ``need`` keys reach ``floor`` the floor stays and those are
-    dropped; that happens only under a guessed floor, which the end checks (module notes)."""
+    ``(new n, new floor)``. Held keys are ``>= floor`` but for one kind the filter's float
+    compare lets through: a NaN (outside the contract), whose key may lie below the floor's.
+    When fewer than ``need`` keys reach ``floor`` the floor stays and those below it are
+    dropped; that takes such NaNs under a guessed floor, which the end checks (module
+    notes). (A ``-0.0`` under a ``+0.0`` floor is not below it: both have one key.)"""
     cuda.syncwarp()                         # the lanes' appends to buf visible to the warp
     top = uint32(0)
     for j in range(lane, n, 32):
@@ -195,8 +196,8 @@ def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
     hi = top
     # ... in 256 bins of 2**shift keys. (uint32() throughout: numba widens uint32 - uint32
     # to 64 bits, and clz of a 64-bit span would be 32 more, the shift 0, the bins past 255).
-    # hi < lo only where every held key is below the floor (a -0.0 or a NaN, see above): no
-    # key is in range, the new floor is lo and the keep pass drops them all
+    # hi < lo only where every held key is below the floor (NaNs, see above): no key is in
+    # range, the new floor is lo and the keep pass drops them all
     span = uint32(hi - lo) if hi >= lo else uint32(0)
     shift = uint32(max(0, 24 - cuda.clz(span))) if span > 0 else uint32(0)
     above = 0                               # held keys above [lo, hi]
@@ -222,7 +223,7 @@ def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
         hit = above + excl < need and need <= above + incl
         hits = cuda.ballot_sync(FULL_MASK, hit)
         if hits == 0:                       # fewer than need keys in [lo, hi] (first pass
-            b = 0                           # only, keys below the floor): the floor stays
+            b = 0                           # only, NaNs below the floor): the floor stays
             break
         src = cuda.ffs(hits) - 1            # exactly one lane
         if hit:
