@@ -15,6 +15,10 @@ and accepted paths of depth up to L = 15 (FlashMLA-style cache: 576-wide rows, 6
 one float32 layer, and DeepSeek-V3's 61 bfloat16 layers at N = 1025: each alone (commit_kv
 once per layer), the launches together, and ``accept_commit`` (all in one launch; its result
 checked against theirs), with the floor of a graph replay (one empty kernel) in the same run.
+
+Options: ``--quick`` (fewer configurations), ``--targets`` (draft_topk at the configurations
+the performance targets name, the default launch and the baselines only: the fewest kernels
+to compile), ``--draft-topk-only``, ``--accept-commit-only``.
 """
 
 from __future__ import annotations
@@ -69,12 +73,16 @@ def bench_draft_topk(quick: bool, targets: bool = False):
             K.draft_topk(logits, k, out=out, scratch=scratch)
 
         gpu = bench.time_device(launch, reps=20)
-        whole_rows = gpu if parts == 1 else bench.time_device(
+        # --targets times the default launch alone: every other variant is one more kernel
+        # to compile (a first run spent its device command's 170 s compiling)
+        whole_rows = gpu if parts == 1 or targets else bench.time_device(
             lambda: K.draft_topk(logits, k, out=out, parts=1), reps=20)
         per_variant = {}                    # every variant that takes these logits and parts
         for other in ("two_pass", "filtered", "resident"):
             if other == variant:
                 per_variant[other] = gpu
+            elif targets:
+                continue
             elif ((other == "filtered" and filtered_applies(bits, k))
                   or (other == "resident" and resident_applies(bits, k, parts))
                   or other == "two_pass"):
@@ -109,7 +117,9 @@ def bench_draft_topk(quick: bool, targets: bool = False):
                       for name, t in ((v, per_variant.get(v)) for v in
                                       ("two_pass", "filtered", "resident"))}
         bench.add(bs=bs, L=L, V=V, k=k, dtype=dtype, variant=variant, parts=parts,
-                  gpu_us=gpu["ms"] * 1e3, whole_rows_us=whole_rows["ms"] * 1e3, **variant_us,
+                  gpu_us=gpu["ms"] * 1e3,
+                  whole_rows_us=None if parts > 1 and targets else whole_rows["ms"] * 1e3,
+                  **variant_us,
                   read_gbs=gbs, pct_of_copy_bw=100 * gbs / copy_gbs, copy_gbs=copy_gbs,
                   torch_us=torch_t["ms"] * 1e3, speedup_vs_torch=torch_t["ms"] / gpu["ms"],
                   cupy_us=None if cupy_t is None else cupy_t["ms"] * 1e3, ids_exact=exact)

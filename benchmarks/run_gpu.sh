@@ -2,7 +2,8 @@
 # One batched GPU session: the test suite on the device, then every benchmark.
 # Logs and CSVs go to $OUT (the device tool brings them back). Usage, from the repo root:
 #   bash benchmarks/run_gpu.sh [all|tests|tests-a|tests-b|bench|profile|attn|attn-mma|
-#                               attn-profile|attn-mma-stalls|small|step|sampling|phases]
+#                               attn-profile|attn-mma-stalls|small|step|sampling|phases|
+#                               targets]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-benchmarks/results}
@@ -100,6 +101,14 @@ fi
 if [ "$what" = sampling ] || [ "$what" = all ]; then
     (cd benchmarks && OUT="$OUT" timeout 420 python3 bench_sampling.py) 2>&1 \
         | grep -v "^{" | tee "$OUT/bench_sampling.log" | tail -20
+fi
+if [ "$what" = targets ]; then   # the DDTree stages' target tables, in one device command
+    (cd benchmarks && OUT="$OUT" timeout 120 python3 bench_build_tree.py) 2>&1 \
+        | tee "$OUT/bench_build_tree.log" | tail -14
+    (cd benchmarks && OUT="$OUT" timeout 330 python3 bench_small_kernels.py --targets) 2>&1 \
+        | tee "$OUT/bench_small_kernels.log" | grep -v "^{" | tail -24
+    (cd benchmarks && OUT="$OUT" timeout 120 python3 bench_ddtree_part.py --quick) 2>&1 \
+        | tee "$OUT/bench_ddtree_part.log" | grep -v "^{" | tail -6
 fi
 if [ "$what" = small ]; then
     (cd benchmarks && OUT="$OUT" timeout 240 python3 bench_small_kernels.py) 2>&1 \
