@@ -44,7 +44,8 @@ from ddtree_numba.kernels.draft_topk import (
 
 
 def bench_draft_topk(quick: bool, targets: bool = False):
-    bench = Bench("draft_topk")
+    # --targets writes a CSV of its own: its rows lack the other variants' columns
+    bench = Bench("draft_topk_targets" if targets else "draft_topk")
     copy_gbs = copy_bandwidth_gbs(bench)
     L = 15
     configs = [(bs, V, k, "float32") for V in (32000, 163840) for k in (16, 256, 1024)

@@ -82,11 +82,11 @@ if [ "$what" = attn-mma-stalls ]; then   # where the tensor-core kernel's warps 
 fi
 if [ "$what" = attn ] || [ "$what" = all ]; then
     (cd benchmarks && OUT="$OUT" timeout 400 python3 bench_verify_attn.py) 2>&1 \
-        | tee "$OUT/bench_verify_attn.log" | tail -80
+        | tee "$OUT/bench_verify_attn.log" | grep -v "^{" | tail -80
 fi
 if [ "$what" = attn-mma ] || [ "$what" = all ]; then   # the tensor-core variant, bf16 cache
     (cd benchmarks && OUT="$OUT" timeout 300 python3 bench_verify_attn_mma.py) 2>&1 \
-        | tee "$OUT/bench_verify_attn_mma.log" | tail -14
+        | tee "$OUT/bench_verify_attn_mma.log" | grep -v "^{" | tail -14
 fi
 if [ "$what" = step ] || [ "$what" = all ]; then
     DDTREE_GPU=1 timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_greedy_step.py \
@@ -94,17 +94,17 @@ if [ "$what" = step ] || [ "$what" = all ]; then
     timeout 240 python3 -m ddtree_numba demo --plot "$OUT/demo_tree.png" 2>&1 \
         | tee "$OUT/demo_gpu.log" | tail -12
     (cd benchmarks && OUT="$OUT" timeout 400 python3 bench_step.py) 2>&1 \
-        | tee "$OUT/bench_step.log" | tail -20
+        | tee "$OUT/bench_step.log" | grep -v "^{" | tail -20
     (cd benchmarks && OUT="$OUT" timeout 300 python3 decode_identity.py) 2>&1 \
         | tee "$OUT/decode_identity.log" | tail -10
 fi
 if [ "$what" = sampling ] || [ "$what" = all ]; then
     (cd benchmarks && OUT="$OUT" timeout 420 python3 bench_sampling.py) 2>&1 \
-        | grep -v "^{" | tee "$OUT/bench_sampling.log" | tail -20
+        | tee "$OUT/bench_sampling.log" | grep -v "^{" | tail -20
 fi
 if [ "$what" = targets ]; then   # the DDTree stages' target tables, in one device command
     (cd benchmarks && OUT="$OUT" timeout 120 python3 bench_build_tree.py) 2>&1 \
-        | tee "$OUT/bench_build_tree.log" | tail -14
+        | tee "$OUT/bench_build_tree.log" | grep -v "^{" | tail -14
     (cd benchmarks && OUT="$OUT" timeout 330 python3 bench_small_kernels.py --targets) 2>&1 \
         | tee "$OUT/bench_small_kernels.log" | grep -v "^{" | tail -24
     (cd benchmarks && OUT="$OUT" timeout 120 python3 bench_ddtree_part.py --quick) 2>&1 \
@@ -112,11 +112,11 @@ if [ "$what" = targets ]; then   # the DDTree stages' target tables, in one devi
 fi
 if [ "$what" = small ]; then
     (cd benchmarks && OUT="$OUT" timeout 240 python3 bench_small_kernels.py) 2>&1 \
-        | tee "$OUT/bench_small_kernels.log" | tail -40
+        | tee "$OUT/bench_small_kernels.log" | grep -v "^{" | tail -40
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     (cd benchmarks && OUT="$OUT" timeout 240 python3 bench_build_tree.py) 2>&1 \
-        | tee "$OUT/bench_build_tree.log" | tail -14
+        | tee "$OUT/bench_build_tree.log" | grep -v "^{" | tail -14
     (cd benchmarks && OUT="$OUT" timeout 240 python3 bench_small_kernels.py) 2>&1 \
-        | tee "$OUT/bench_small_kernels.log" | tail -40
+        | tee "$OUT/bench_small_kernels.log" | grep -v "^{" | tail -40
 fi

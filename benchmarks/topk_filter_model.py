@@ -103,9 +103,12 @@ def end_select(held: np.ndarray, cut: float, kk: int) -> tuple[int, int, int, in
     (levels of the key's top 11, next 11, last 10 bits, stopping once the threshold bin and all
     above it fit ``TOP_CAP``) and a span-based one (a first level of 2 048 bins over
     ``[cut, largest held key]``, ``shift`` from the span as a compaction's histogram takes it,
-    then 11 bits at a time). Returns ``(levels, candidates sorted)`` for each."""
+    then 11 bits at a time). Returns ``(levels, candidates sorted)`` for each, or ``None``
+    where fewer than ``kk`` held keys reach the cut (the kernel's two-pass fall-back)."""
     keys = orderable_keys(held)
     keys = keys[keys >= orderable_keys(np.array([cut], np.float32))[0]]
+    if keys.size < kk:
+        return None
     # the kernel's: fixed digits
     need, prefix, key_mask, levels = kk, 0, 0, 0
     for shift, mask in ((21, 0x7FF), (10, 0x7FF), (0, 0x3FF)):
@@ -166,11 +169,13 @@ def main() -> None:
     for kk in (256, 16):                    # bfloat16 rows: the same logits, rounded
         runs = [filter_row(as_bfloat16(row), kk, True) for row in rows]
         ends[kk, "bfloat16"] = [end_select(run[3], run[4], kk) for run in runs]
+    print("\n(rows whose guess left fewer than K held keys, the fall-back: "
+          f"{sum(e is None for v in ends.values() for e in v)})")
     print("\nthe end's radix select over the held keys (with the guess): levels and candidates "
           "sorted, mean (max)")
     print(f"{'K':>4} {'logits':>9} {'fixed digits':>22} {'span-based':>22}")
     for (kk, dtype), e in ends.items():
-        e = np.array(e)
+        e = np.array([x for x in e if x is not None])
         print(f"{kk:>4} {dtype:>9} {e[:, 0].mean():>5.2f} ({e[:, 0].max()}) "
               f"{e[:, 1].mean():>6.0f} ({e[:, 1].max():>3}) {e[:, 2].mean():>7.2f} "
               f"({e[:, 2].max()}) {e[:, 3].mean():>6.0f} ({e[:, 3].max():>3})")
