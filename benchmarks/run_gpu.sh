@@ -21,9 +21,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 python3 -m ddtree_numba info | tee -a "$OUT/gpu.txt"
 if [ "$what" = tests ] || [ "$what" = tests-a ] || [ "$what" = tests-b ] || [ "$what" = all ]
 then
-    # One command of about 10 minutes with 16 workers (H200 host, 16 cores; 565 s measured at
-    # 1 300 tests, and 585 s cut the last 1 % at 1 350: at a device command's 600 s), the files
-    # of whole steps and examples first: each of their tests takes one to four minutes while
+    # With 16 workers (H200 host, 16 cores) the whole suite no longer fits one device command
+    # of 600 s (about 2 000 tests; on 2026-12-05 tests-b took 216 s and tests-a more than 400):
+    # run tests-a and tests-b as two commands. The files of whole steps and examples go first: each of their tests takes one to four minutes while
     # its worker compiles the step's kernels, so none may start late (xdist deals the first
     # quarter of the tests round-robin in command-line order, then hands out the rest one at a
     # time as workers finish: conftest.py). tests-a runs those files alone, tests-b the rest:
