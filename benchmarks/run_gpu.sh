@@ -22,12 +22,12 @@ python3 -m ddtree_numba info | tee -a "$OUT/gpu.txt"
 if [ "$what" = tests ] || [ "$what" = tests-a ] || [ "$what" = tests-b ] || [ "$what" = all ]
 then
     # With 16 workers (H200 host, 16 cores) the whole suite no longer fits one device command
-    # of 600 s (about 2 000 tests; on 2026-12-05 tests-b took 216 s and tests-a more than 400):
-    # run tests-a and tests-b as two commands. The files of whole steps and examples go first: each of their tests takes one to four minutes while
-    # its worker compiles the step's kernels, so none may start late (xdist deals the first
-    # quarter of the tests round-robin in command-line order, then hands out the rest one at a
-    # time as workers finish: conftest.py). tests-a runs those files alone, tests-b the rest:
-    # two commands that each fit a device command with room to spare.
+    # of 600 s (about 2 000 tests; on 2026-12-05 tests-b took 216 s, and tests-a had 98 % done
+    # at 400 s): run tests-a and tests-b as two commands. The files of whole steps and
+    # examples go first: each of their tests takes one to four minutes while its worker
+    # compiles the step's kernels, so none may start late (xdist deals the first quarter of
+    # the tests round-robin in command-line order, then hands out the rest one at a time as
+    # workers finish: conftest.py). tests-a runs those files alone, tests-b the rest.
     first="tests/test_examples.py tests/test_greedy_step.py tests/test_sampled_step.py
            tests/test_tree_sample_lossless.py tests/test_deepseek_v3.py tests/test_verify_attn.py
            tests/test_build_tree.py"
