@@ -24,6 +24,9 @@ import argparse
 
 import numpy as np
 
+from ddtree_numba.arrays import BFLOAT16
+from ddtree_numba.reference.build_tree_threshold import score_keys
+
 V = 163_840
 THREADS, WARPS, LANES = 256, 8, 32
 LOADS, PER_WORD = 8, 2                      # float32: 8-byte words, two logits each
@@ -84,10 +87,9 @@ def filter_row(row: np.ndarray, kk: int, guess: bool) -> tuple:
 
 
 def orderable_keys(x: np.ndarray) -> np.ndarray:
-    """``_primitives.orderable_key`` of float32 values (as uint64, for shifts without wrap)."""
-    bits = np.where(x == 0, np.float32(0), x).astype(np.float32).view(np.uint32)
-    keys = np.where(bits >> 31, ~bits, bits | np.uint32(0x80000000))
-    return keys.astype(np.uint64)
+    """The kernels' orderable keys of float32 values (the reference's ``score_keys``; the
+    model's rows hold no NaN), as uint64 for shifts without wrap."""
+    return score_keys(x).astype(np.uint64)
 
 
 def _threshold_bin(hist: np.ndarray, need: int) -> tuple[int, int]:
@@ -140,13 +142,6 @@ def end_select(held: np.ndarray, cut: float, kk: int) -> tuple[int, int, int, in
         shift = max(0, shift - 11)
 
 
-def as_bfloat16(x: np.ndarray) -> np.ndarray:
-    """float32 values rounded to bfloat16 (nearest, ties to even), as float32."""
-    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.astype(np.uint32).view(np.float32)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=20)
@@ -167,7 +162,7 @@ def main() -> None:
             if guess:
                 ends[kk, "float32"] = [end_select(run[3], run[4], kk) for run in runs]
     for kk in (256, 16):                    # bfloat16 rows: the same logits, rounded
-        runs = [filter_row(as_bfloat16(row), kk, True) for row in rows]
+        runs = [filter_row(row.astype(BFLOAT16).astype(np.float32), kk, True) for row in rows]
         ends[kk, "bfloat16"] = [end_select(run[3], run[4], kk) for run in runs]
     print("\n(rows whose guess left fewer than K held keys, the fall-back: "
           f"{sum(e is None for v in ends.values() for e in v)})")
