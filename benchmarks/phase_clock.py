@@ -222,10 +222,11 @@ FILTERED_PHASES = ["start", "state reset", "guessed floor", "loop (slowest warp)
 
 def filtered_edits():
     """Marks 0-7 (thread 0: the block's phases), 10/11 (``%globaltimer`` at its start and end),
-    12 (candidates sorted), and per warp ``w``: 16 + w its loop's end, 24 + w its tiles that
-    appended, 32 + w its compactions before a fast append, 40 + w its slow appends."""
+    12 (candidates sorted), 13 (the radix select's levels), and per warp ``w``: 16 + w its
+    loop's end, 24 + w its tiles that appended, 32 + w its compactions before a fast append,
+    40 + w its slow appends."""
     sig = ("    def filter_select(words, bits, wlo, whi, k, tid, buf, top, hist, scratch, result, "
-           "red_u,\n                      red_f, n_cand, counts, floor_b, slice_lo):")
+           "red_u,\n                      red_f, n_cand, counts, tops, floor_b, slice_lo):")
     reset = ("        cuda.syncthreads()                  # block state reset before any warp "
              "reads it\n")
     guessed = ("        cuda.syncthreads()                  # every warp's guess in floor_b[1]\n")
@@ -236,18 +237,20 @@ def filtered_edits():
     room = ("                # make room first: compact (raising the floor), then filter the "
             "tile again\n")
     slow = "            for q in range(LOADS * per_word):\n"
-    loop_end = "        if lane == 0:\n            counts[warp] = n\n"
+    loop_end = ("        # the warp's largest held key: the top of the end's first histogram "
+                "(read here, by\n")
     warp_marks = ("        if lane == 0:\n            marks[16 + warp] = clock()\n"
                   "            marks[24 + warp] = appends\n"
                   "            marks[32 + warp] = compactions\n"
                   "            marks[40 + warp] = slow_tiles\n")
     lse_done = "        cut_key = max(floor_b[0], floor_b[1])\n"
+    level = "                ties = result[2]\n"
     fallback = "        if counts[WARPS] != 0 or short or kk - need + ties > TOP_CAP:\n"
     gathered = "        cuda.syncthreads()                  # all gathered\n"
     sort = "        sort_desc_any(top, n_cand[0], tid, T)\n"
     kernel = "    def whole_row_kernel(words, bits, k, top_log_probs, top_token_ids):\n"
     body = "        tid = cuda.threadIdx.x\n        (buf, top, hist"
-    call = ("                                    counts, floor_b, slice_lo)\n"
+    call = ("                                    counts, tops, floor_b, slice_lo)\n"
             "        lse = m + math.log(total)")
     write_top = ("        _write_top(top, k, lse, row_id, tid, FILTER_THREADS, top_log_probs, "
                  "top_token_ids)\n\n    @kernel_for_block")
@@ -261,6 +264,8 @@ def filtered_edits():
             (slow, "            slow_tiles += 1\n" + slow),
             (loop_end, warp_marks + loop_end),
             (lse_done, mark(8, "3") + lse_done),
+            (level, level + "                if tid == 0:\n"
+             "                    marks[13] += 1\n"),
             (fallback, mark(8, "4") + fallback),
             (gathered, gathered + mark(8, "5") + "        if tid == 0:\n"
              "            marks[12] = n_cand[0]\n"),
@@ -323,6 +328,9 @@ def filtered_report(write):
             write(f"  {label} a warp: median {np.median(v):.0f}, max {v.max()}")
         write(f"  candidates sorted a block: median {np.median(t[:, 12]):.0f}, "
               f"max {t[:, 12].max()}")
+        levels = t[selected, 13]
+        write(f"  radix select levels a block: median {np.median(levels):.0f}, max "
+              f"{levels.max()}")
 
 
 # ---------------------------------------------------------------- build_tree, threshold select

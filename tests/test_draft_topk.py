@@ -5,6 +5,7 @@ import zlib
 import numpy as np
 import pytest
 from ml_dtypes import bfloat16
+from numba import cuda
 
 from ddtree_numba import kernels as K
 from ddtree_numba import reference as ref
@@ -219,6 +220,46 @@ def test_filtered_kernel_on_emulated_warp_intrinsics(monkeypatch, case, guess):
     x, k, parts = filtered_case(case, np.random.default_rng(zlib.crc32(case.encode())))
     with emulated_shuffles():
         check_kernel(x, k, parts, variant="filtered")
+
+
+@pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated warp intrinsics")
+def test_filtered_end_select_refines_a_crowded_bin_itself(monkeypatch):
+    """The one-pass kernel's end select, level by level. Rows of 1 024 logits: -5, but for the
+    guess's sample (logits 0-127 and 512-639, 0.5 to 0.5625, so the guess lies there and no
+    warp compacts), 150 consecutive floats from 1.0 up spread over the rest, and one 1e30.
+    The first level's 2 048 bins span the held keys from the guess's key to 1e30's, and the
+    bin of the 64th key (14 bins above the guess's) holds the 150: more than TOP_CAP; the
+    second level's bins of 256 units put them in one bin (bin 128 or 176), still crowded;
+    the third finds the key (seen with a print in the simulator). The two-pass fall-back is
+    exact too and would hide a wrong refinement (a short count sends the block there), so it
+    is replaced by one that writes nothing: ids exact means the levels found them."""
+    from simulated_warp import emulated_shuffles, take_gpu_variant
+
+    import ddtree_numba.kernels.draft_topk_filtered as filtered
+
+    take_gpu_variant(monkeypatch, "ddtree_numba.kernels.draft_topk")
+
+    @cuda.jit(device=True)
+    def no_fallback(row, lo, hi, k, tid, T, cand, hist, scratch, result, red_u, red_f,
+                    n_cand):
+        return filtered.NEG_INF, np.float32(0.0), 0
+
+    monkeypatch.setattr(filtered, "_select_top", lambda bf16: (None, no_fallback))
+    whole_row, _ = filtered._make_filtered_kernels(False)   # not the cached kernels
+    rng = np.random.default_rng(11)
+    V, k = 1024, 64
+    x = np.full((2, V), -5.0, np.float32)
+    sampled = np.r_[0:128, 512:640]
+    rest = np.setdiff1d(np.arange(V), np.r_[sampled, 300])
+    for row in x:
+        row[sampled] = 0.5 + rng.permutation(256) * 2.0**-12
+        row[rng.choice(rest, 150, replace=False)] = 1 + np.arange(150) * 2.0**-23
+        row[300] = 1e30
+    bits = x.view(np.uint32)
+    lp, ids = np.zeros((2, k), np.float32), np.zeros((2, k), np.int32)
+    with emulated_shuffles():
+        whole_row[2, filtered.FILTER_THREADS](bits.view(np.uint64), bits, k, lp, ids)
+    np.testing.assert_array_equal(ids, ref.draft_topk(x[:, None], k)[1][:, 0])
 
 
 @pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated warp intrinsics")

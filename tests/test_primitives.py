@@ -153,9 +153,9 @@ def test_block_inclusive_scan_every_block_size(T):
                           (4096, 512), (1024, 1024), (2048, 1024), (4096, 1024),
                           (128, 1024), (256, 96)])
 def test_bitonic_sort_desc_every_length(n, T):
-    """Lengths up to the block (registers and shuffles on a GPU), up to four times the block
-    (four registers a thread) and past it or with a block that is not a power of two (shared
-    memory)."""
+    """Lengths up to the block (registers and shuffles on a GPU), twice the block (two
+    registers a thread), up to four times it (four registers) and past it or with a block
+    that is not a power of two (shared memory)."""
     check_sort(_sort_kernel, n, T)
 
 
@@ -175,9 +175,10 @@ def test_warp_shuffle_scan_on_emulated_shuffles(T):
                                  (512, 64), (128, 96)])
 def test_gpu_bitonic_sort_on_emulated_shuffles(n, T):
     """Registers and shuffles up to the block's length (the steps of stride 32 and more through
-    shared memory at n = 64), four registers a thread up to four times it (128, 256 at T 64:
-    strides of 32 through shared memory, of T and 2 T in registers), the shared-memory
-    network past it or where T is not a power of two."""
+    shared memory at n = 64), two registers a thread at twice it (128 at T 64: strides of 32
+    through shared memory, of T in registers), four up to four times it (256: strides of T
+    and 2 T in registers), the shared-memory network past it or where T is not a power of
+    two."""
     from simulated_warp import emulated_shuffles
 
     with emulated_shuffles():

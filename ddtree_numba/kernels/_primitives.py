@@ -552,9 +552,46 @@ def _bitonic_sort_in_registers_x4(keys, n, tid, T):
 
 
 @cuda.jit(device=True, inline=True)
+def _bitonic_sort_in_registers_x2(keys, n, tid, T):
+    """The network for ``n = 2 T`` (``T < n <= 2 T`` with both powers of two): thread ``t``
+    holds elements ``t`` and ``t + T`` in two registers (``x0``, ``x1``), as
+    :func:`_bitonic_sort_in_registers_x4` holds four, at half its shuffles and shared-memory
+    traffic a step (a bfloat16 top-K whose ties at the ``k``-th key take it a little past the
+    block's length sorts here). A step of stride ``T``, the widest, pairs the thread's two
+    registers; of stride 32 to ``T / 2``, through ``keys``; below 32, a shuffle each."""
+    i0 = tid                                # the elements' indices
+    i1 = tid + T
+    x0 = keys[i0]
+    x1 = keys[i1]
+    size = 2
+    while size <= n:
+        stride = size // 2
+        while stride > 0:
+            if stride >= T:                 # stride T: the pair is (x0, x1), in this thread
+                x0, x1 = _keep(x0, x1, i0, stride, size), _keep(x1, x0, i1, stride, size)
+            elif stride >= 32:              # partner in another warp: through shared memory
+                keys[i0] = x0
+                keys[i1] = x1
+                cuda.syncthreads()          # every element in place
+                x0 = _keep(x0, keys[i0 ^ stride], i0, stride, size)
+                x1 = _keep(x1, keys[i1 ^ stride], i1, stride, size)
+                cuda.syncthreads()          # every partner read before the next write
+            else:                           # partner in this warp: a shuffle per register
+                x0 = _shuffle_step(x0, i0, stride, size)
+                x1 = _shuffle_step(x1, i1, stride, size)
+            stride //= 2
+        size *= 2
+    keys[i0] = x0
+    keys[i1] = x1
+    cuda.syncthreads()                      # the sorted keys in place
+
+
+@cuda.jit(device=True, inline=True)
 def _bitonic_sort_gpu(keys, n, tid, T):
     if n <= T:                              # uniform over the block: no barrier is skipped
         _bitonic_sort_in_registers(keys, n, tid, T)
+    elif n == 2 * T and T & (T - 1) == 0:   # (a stride of T pairs t with t + T)
+        _bitonic_sort_in_registers_x2(keys, n, tid, T)
     elif n <= 4 * T and T & (T - 1) == 0:   # (a stride of T pairs t + q T with t + (q ^ 1) T)
         _bitonic_sort_in_registers_x4(keys, n, tid, T)
     else:

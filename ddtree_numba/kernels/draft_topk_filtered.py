@@ -86,15 +86,21 @@ logits: at V 163 840, K 256, ``r = 2`` and ~1 400 logits a row reach the guess (
 300 rows: 484); for K 16..128, ``r = 1`` and ~800. A row whose large logits all avoid the
 sample's chunks pays the second read.
 
-**The end.** After a block barrier: the block's ``max`` and sum of ``exp`` (a block max of
-``m``, each ``s`` rescaled to it, a block sum); an exact radix select (11 + 11 + 10 bits, the
-two-pass kernel's histogram and threshold search) over the held keys at or above
-``max(floor_b[0], floor_b[1])`` for the ``kk``-th largest key; the held logits at or above the
-bin of that key (those above it and all in it, at most ``TOP_CAP``) gathered into ``top`` and
-sorted (bitonic, descending packed keys). Where a warp overflowed, fewer than ``kk`` held keys
-reach the guess, or the ties at the ``kk``-th key do not fit ``TOP_CAP`` (rows of many equal
-logits, e.g. all ``-inf``), the block runs the two-pass select on its slice instead (a second
-read of the slice, exact, with its ordered-ties path): correctness never depends on the data.
+**The end.** Each warp finds its largest held key as its loop ends (``tops``). After a block
+barrier: the block's ``max`` and sum of ``exp`` (a block max of ``m``, each ``s`` rescaled to
+it, a block sum); an exact radix select over the held keys at or above ``cut_key =
+max(floor_b[0], floor_b[1])`` for the ``kk``-th largest key, whose first level's 2 048 bins
+cover the held keys' own span ``[cut_key, largest held key]`` (``2**shift`` keys a bin): the
+held keys (about 1 400 a row at V 163 840, K 256) spread over a narrow span, so one level finds
+a bin that holds few enough keys in nearly every row (a level of fixed 11-bit digits of the key
+took two at K 256; while the bin is crowded, the next level spreads its keys over the bins,
+three levels at most); the held logits at or above the lower edge of that bin (those above it
+and all in it, at most ``TOP_CAP``) gathered into ``top`` and sorted (bitonic, descending
+packed keys). Each level and the gather read only the held entries (``counts``). Where a warp
+overflowed, fewer than ``kk`` held keys reach the guess, or the ties at the ``kk``-th key do
+not fit ``TOP_CAP`` (rows of many equal logits, e.g. all ``-inf``), the block runs the two-pass
+select on its slice instead (a second read of the slice, exact, with its ordered-ties path):
+correctness never depends on the data.
 
 Rows must be whole words (``V`` a multiple of 2 for float32, of 4 for bfloat16, 8-byte
 aligned) and ``k <= FILTER_MAX_K`` (a warp's held set must have room above ``k``); the
@@ -141,8 +147,6 @@ from ._primitives import (
 )
 from .draft_topk import (
     BINS,
-    LEVEL_MASK,
-    LEVEL_SHIFT,
     NEG_INF,
     SORT_CAP,
     _find_threshold_digit,
@@ -178,6 +182,17 @@ def _cut_of(key):
 
 
 @cuda.jit(device=True, inline=True)
+def _held_top(buf, base, n, lane):
+    """Warp-collective: the largest key of the held set ``buf[base : base + n]`` (0 when it is
+    empty), in every lane. Lane ``l`` reads entries ``l, l + 32, ...``."""
+    cuda.syncwarp()                         # the lanes' appends to buf visible to the warp
+    top = uint32(0)
+    for j in range(lane, n, 32):
+        top = max(top, _key_of(buf[base + j]))
+    return warp_max_key(top)
+
+
+@cuda.jit(device=True, inline=True)
 def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
     """Warp-collective (all 32 lanes, uniform arguments): raise the floor of the held set
     ``buf[base : base + n]`` (``n > need``) to the lower edge of the histogram bin that holds
@@ -187,11 +202,7 @@ def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
     When fewer than ``need`` keys reach ``floor`` the floor stays and those below it are
     dropped; that takes such NaNs under a guessed floor, which the end checks (module
     notes). (A ``-0.0`` under a ``+0.0`` floor is not below it: both have one key.)"""
-    cuda.syncwarp()                         # the lanes' appends to buf visible to the warp
-    top = uint32(0)
-    for j in range(lane, n, 32):
-        top = max(top, _key_of(buf[base + j]))
-    top = warp_max_key(top)
+    top = _held_top(buf, base, n, lane)
     lo = floor                              # the bins cover [lo, hi] ...
     hi = top
     # ... in 256 bins of 2**shift keys. (uint32() throughout: numba widens uint32 - uint32
@@ -348,7 +359,7 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
 
     @cuda.jit(device=True, inline=True)
     def filter_select(words, bits, wlo, whi, k, tid, buf, top, hist, scratch, result, red_u,
-                      red_f, n_cand, counts, floor_b, slice_lo):
+                      red_f, n_cand, counts, tops, floor_b, slice_lo):
         """All threads call it; afterwards ``top[0:kk]`` holds the ``kk = min(k, logits)``
         best packed candidates of ``words[wlo:whi]``, best first. Returns ``(m, s, kk)``: the
         slice's max logit and sum of ``exp(x - m)``."""
@@ -495,8 +506,12 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
             if overflow:
                 break                       # the block falls back below
             tile += stride
+        # the warp's largest held key: the top of the end's first histogram (read here, by
+        # the warp itself, while other warps may still be streaming)
+        held_top = _held_top(buf, base, n, lane)
         if lane == 0:
             counts[warp] = n
+            tops[warp] = held_top
             if overflow:
                 counts[WARPS] = 1
         # the block's log-sum-exp terms (both reductions end with a barrier: counts,
@@ -514,36 +529,50 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
         cut_key = max(floor_b[0], floor_b[1])
         short = False
 
-        # exact radix select of the kk-th largest held key >= cut_key (three levels)
+        # exact radix select of the kk-th largest held key >= cut_key. The first level's
+        # 2 048 bins cover the held keys' own span [cut_key, hi] (hi: the largest held key),
+        # 2**shift keys a bin, shift = max(0, bits(hi - cut_key) - 11); while the bin of the
+        # kk-th key and the keys above it do not fit TOP_CAP, the next level spreads that
+        # bin's 2**shift keys over the bins (11 bits fewer of shift). Three levels at most:
+        # the span has 32 bits. edge: the lower edge of the bin the last level found
         need = kk
-        prefix = uint32(0)
-        key_mask = uint32(0)
+        edge = cut_key
         ties = 0
         if counts[WARPS] == 0:
-            for level in range(3):
-                shift = uint32(LEVEL_SHIFT[level])
-                digit_mask = uint32(LEVEL_MASK[level])
+            lo = cut_key
+            hi = tops[0]
+            for w in range(1, WARPS):
+                hi = max(hi, tops[w])
+            # (uint32() throughout: numba widens uint32 - uint32 to 64 bits; hi < lo: no held
+            # key reaches cut_key, the first level counts none and the block falls back)
+            span = uint32(hi - lo) if hi >= lo else uint32(0)
+            shift = uint32(max(0, 21 - cuda.clz(span)))     # (span >> shift) < 2 048
+            for _level in range(3):
                 for d in range(tid, BINS, T):
                     hist[d] = 0
                 cuda.syncthreads()          # cleared before the atomics
-                for i in range(tid, WARPS * WARP_CAP, T):
-                    if i % WARP_CAP < counts[i // WARP_CAP]:
-                        key = _key_of(buf[i])
-                        if key >= cut_key and (key & key_mask) == prefix:
-                            cuda.atomic.add(hist, int32((key >> shift) & digit_mask), 1)
+                # the held entries only: warp w's buf[w * WARP_CAP : + counts[w]], thread
+                # tid reading entries tid, tid + T of each
+                for w in range(WARPS):
+                    for j in range(tid, counts[w], T):
+                        key = _key_of(buf[w * WARP_CAP + j])
+                        if lo <= key and key <= hi:
+                            cuda.atomic.add(hist, int32(uint32(key - lo) >> shift), 1)
                 cuda.syncthreads()          # histogram complete
-                in_range = _find_threshold_digit(hist, int32(digit_mask) + 1, need, scratch,
-                                                 result, tid, T)
+                in_range = _find_threshold_digit(hist, BINS, need, scratch, result, tid, T)
                 if in_range < need:         # (level 0 only, the same in every thread)
                     short = True            # fewer than kk held keys reach cut_key
                     break
                 need -= result[1]
-                prefix |= uint32(result[0]) << shift
-                key_mask |= digit_mask << shift
+                edge = uint32(lo + (uint32(result[0]) << shift))
                 ties = result[2]
                 cuda.syncthreads()          # everyone read result before it is reused
-                if kk - need + ties <= TOP_CAP:
+                if kk - need + ties <= TOP_CAP or shift == 0:
                     break
+                lo = edge                   # refine: the bin's keys [edge, edge + 2**shift)
+                hi = uint32(min(uint64(lo) + (uint64(1) << uint64(shift)) - uint64(1),
+                                uint64(hi)))
+                shift = uint32(max(0, int32(shift) - 11))
         if counts[WARPS] != 0 or short or kk - need + ties > TOP_CAP:
             # a warp overflowed, the guessed floor was too high, or too many ties at the
             # kk-th key: the two-pass select on the slice (reads it again), its best kk
@@ -559,15 +588,15 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
             cuda.syncthreads()              # top in place
             return big, total, kk
 
-        # gather the held keys >= the threshold bin's lower edge, and sort them
+        # gather the held keys >= the threshold bin's lower edge (kk - need above the bin,
+        # ties in it: at most TOP_CAP), and sort them
         if tid == 0:
             n_cand[0] = 0
         cuda.syncthreads()                  # counter reset before the atomics
-        for i in range(tid, WARPS * WARP_CAP, T):
-            if i % WARP_CAP < counts[i // WARP_CAP]:
-                packed = buf[i]
-                key = _key_of(packed)
-                if key >= cut_key and (key & key_mask) >= prefix:
+        for w in range(WARPS):
+            for j in range(tid, counts[w], T):
+                packed = buf[w * WARP_CAP + j]
+                if _key_of(packed) >= edge:
                     top[cuda.atomic.add(n_cand, 0, 1)] = packed
         cuda.syncthreads()                  # all gathered
         sort_desc_any(top, n_cand[0], tid, T)
@@ -576,7 +605,7 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
     @cuda.jit(device=True, inline=True)
     def shared_state():
         """The kernel's shared arrays, one a line (the simulator tells them apart by line):
-        ``(buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, floor_b,
+        ``(buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, tops, floor_b,
         slice_lo)``, 47 KiB on a GPU."""
         buf = cuda.shared.array(SORT_CAP, uint64)       # held sets; the fallback's candidates
         top = cuda.shared.array(TOP_CAP, uint64)        # the final candidates
@@ -587,21 +616,22 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
         red_f = cuda.shared.array(FILTER_THREADS, float32)
         n_cand = cuda.shared.array(1, int32)
         counts = cuda.shared.array(COUNTS, int32)       # held per warp; [WARPS]: overflow
+        tops = cuda.shared.array(WARPS, uint32)         # each warp's largest held key
         floor_b = cuda.shared.array(2, uint32)          # [1]: the guessed floor
         slice_lo = cuda.shared.array(1, int32)          # the slice's first word
-        return (buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, floor_b,
-                slice_lo)
+        return (buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, tops,
+                floor_b, slice_lo)
 
     @kernel_for_block(FILTER_THREADS, BLOCKS_PER_SM)
     def whole_row_kernel(words, bits, k, top_log_probs, top_token_ids):
         """Grid ``(rows,)``, block ``(FILTER_THREADS,)``: row ``words[row]`` -> K outputs."""
         row_id = cuda.blockIdx.x
         tid = cuda.threadIdx.x
-        (buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, floor_b,
+        (buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, tops, floor_b,
          slice_lo) = shared_state()
         m, total, _ = filter_select(words[row_id], bits[row_id], 0, words.shape[1], k, tid,
                                     buf, top, hist, scratch, result, red_u, red_f, n_cand,
-                                    counts, floor_b, slice_lo)
+                                    counts, tops, floor_b, slice_lo)
         lse = m + math.log(total) if m > NEG_INF else NEG_INF
         _write_top(top, k, lse, row_id, tid, FILTER_THREADS, top_log_probs, top_token_ids)
 
@@ -615,7 +645,7 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
         n_words = words.shape[1]
         lo = min(p * chunk, n_words)
         hi = min(lo + chunk, n_words)
-        (buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, floor_b,
+        (buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, tops, floor_b,
          slice_lo) = shared_state()
         if lo == hi:                        # an empty slice (the whole block returns here)
             store_part(top, 0, NEG_INF, float32(0.0), row_id, p, k, tid, FILTER_THREADS,
@@ -623,7 +653,7 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
             return
         m, total, kk = filter_select(words[row_id], bits[row_id], lo, hi, k, tid, buf, top,
                                      hist, scratch, result, red_u, red_f, n_cand, counts,
-                                     floor_b, slice_lo)
+                                     tops, floor_b, slice_lo)
         store_part(top, kk, m, total, row_id, p, k, tid, FILTER_THREADS, part_keys, part_max,
                    part_sum)
 
