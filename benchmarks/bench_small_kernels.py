@@ -18,7 +18,8 @@ checked against theirs), with the floor of a graph replay (one empty kernel) in 
 
 Options: ``--quick`` (fewer configurations), ``--targets`` (draft_topk at the configurations
 the performance targets name, the default launch and the baselines only: the fewest kernels
-to compile), ``--draft-topk-only``, ``--accept-commit-only``.
+to compile), ``--bs N`` (draft_topk at batch size ``N`` only), ``--draft-topk-only``,
+``--accept-commit-only``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from ddtree_numba.kernels.draft_topk import (
 )
 
 
-def bench_draft_topk(quick: bool, targets: bool = False):
+def bench_draft_topk(quick: bool, targets: bool = False, bs_only: int | None = None):
     # --targets writes a CSV of its own: its rows lack the other variants' columns
     bench = Bench("draft_topk_targets" if targets else "draft_topk")
     copy_gbs = copy_bandwidth_gbs(bench)
@@ -57,6 +58,8 @@ def bench_draft_topk(quick: bool, targets: bool = False):
         configs = [(1, 163840, 256, "float32"), (64, 163840, 256, "float32"),
                    (64, 163840, 256, "bfloat16"), (1, 163840, 16, "float32"),
                    (64, 32000, 256, "float32"), (64, 163840, 16, "float32")]
+    if bs_only is not None:
+        configs = [c for c in configs if c[0] == bs_only]
     for bs, V, k, dtype in configs:
         tdtype = torch.float32 if dtype == "float32" else torch.bfloat16
         x_t = (torch.randn((bs, L, V), device="cuda") * 3).to(tdtype)
@@ -269,4 +272,5 @@ if __name__ == "__main__":
     if "--draft-topk-only" not in sys.argv:
         bench_accept_commit(quick)
     if "--accept-commit-only" not in sys.argv:
-        bench_draft_topk(quick, targets="--targets" in sys.argv)
+        bs_only = int(sys.argv[sys.argv.index("--bs") + 1]) if "--bs" in sys.argv else None
+        bench_draft_topk(quick, targets="--targets" in sys.argv, bs_only=bs_only)

@@ -3,7 +3,7 @@
 # Logs and CSVs go to $OUT (the device tool brings them back). Usage, from the repo root:
 #   bash benchmarks/run_gpu.sh [all|tests|tests-a|tests-b|bench|profile|attn|attn-mma|
 #                               attn-profile|attn-mma-stalls|small|step|sampling|phases|
-#                               targets]
+#                               targets|ab]
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-benchmarks/results}
@@ -12,10 +12,11 @@ export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then   # numpy < 2.5 for numba-cuda 0.30 (see README)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
+    site=/tmp/site:
 else
-    export PYTHONPATH=$PWD
+    site=
 fi
+export PYTHONPATH=$site$PWD
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu \
     --format=csv | tee "$OUT/gpu.txt"
 python3 -m ddtree_numba info | tee -a "$OUT/gpu.txt"
@@ -109,6 +110,23 @@ if [ "$what" = targets ]; then   # the DDTree stages' target tables, in one devi
         | tee "$OUT/bench_small_kernels.log" | grep -v "^{" | tail -24
     (cd benchmarks && OUT="$OUT" timeout 120 python3 bench_ddtree_part.py --quick) 2>&1 \
         | tee "$OUT/bench_ddtree_part.log" | grep -v "^{" | tail -6
+fi
+if [ "$what" = ab ]; then   # draft_topk at bs 64: a baseline tree's package, then this tree's
+    # The baseline is a copy of the package at an earlier commit, made before the device run
+    # and carried to it:
+    #   mkdir -p .ab/base && git archive <commit> ddtree_numba | tar -x -C .ab/base
+    #   run(command="AB_BASE=.ab/base bash benchmarks/run_gpu.sh ab", carry=[".whl", ".ab"])
+    # Both runs use this tree's benchmark scripts (the package's public calls are the same),
+    # in one device command, so that the two tables come from the same machine and lease.
+    for tree in "${AB_BASE:?AB_BASE: the baseline tree, see above}" "$PWD"; do
+        name=$([ "$tree" = "$PWD" ] && echo this || echo base)
+        root=$(cd "$tree" && pwd) || exit 1
+        mkdir -p "$OUT/$name"
+        (cd benchmarks && PYTHONPATH=$site$root OUT="$OUT/$name" \
+            timeout 270 python3 bench_small_kernels.py --targets \
+            --draft-topk-only --bs 64) 2>&1 | tee "$OUT/$name/bench_small_kernels.log" \
+            | grep -v "^{" | tail -8
+    done
 fi
 if [ "$what" = small ]; then
     (cd benchmarks && OUT="$OUT" timeout 240 python3 bench_small_kernels.py) 2>&1 \

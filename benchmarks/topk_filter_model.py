@@ -3,10 +3,10 @@ how many logits a row the warps append and how often they compact, with and with
 guessed floor. No GPU; the GPU's shapes (8 warps of 32 lanes, 16 logits a lane a tile,
 512 held keys a warp, float32 rows).
 
-Then, for the rows with the guess, the end's exact select over what the warps hold, the
-kernel's way (fixed 11-bit digits of the key) and a span-based way (the first level's bins
-over the held keys' own span): how many levels each takes and how many candidates reach the
-sort.
+Then, for the rows with the guess, the end's exact select over what the warps hold, two ways:
+fixed 11-bit digits of the key (the kernel's way until the thirty-first session) and the
+kernel's way now, a first level's bins over the held keys' own span: how many levels each
+takes and how many candidates reach the sort.
 
 The model follows the kernel's rules, with two simplifications: warps take their tiles in
 turn (tile ``t`` by warp ``t % 8``, as if they ran in step), and a compaction's new floor is
@@ -101,17 +101,18 @@ def _threshold_bin(hist: np.ndarray, need: int) -> tuple[int, int]:
 
 
 def end_select(held: np.ndarray, cut: float, kk: int) -> tuple[int, int, int, int]:
-    """The end's radix select over the held keys at or above the cut, two ways: the kernel's
+    """The end's radix select over the held keys at or above the cut, two ways: fixed digits
     (levels of the key's top 11, next 11, last 10 bits, stopping once the threshold bin and all
-    above it fit ``TOP_CAP``) and a span-based one (a first level of 2 048 bins over
-    ``[cut, largest held key]``, ``shift`` from the span as a compaction's histogram takes it,
-    then 11 bits at a time). Returns ``(levels, candidates sorted)`` for each, or ``None``
-    where fewer than ``kk`` held keys reach the cut (the kernel's two-pass fall-back)."""
+    above it fit ``TOP_CAP``: the kernel's way until the thirty-first session) and the
+    kernel's way now (a first level of 2 048 bins over ``[cut, largest held key]``, ``shift``
+    from the span, then 11 bits at a time). Returns ``(levels, candidates sorted)`` for each,
+    or ``None`` where fewer than ``kk`` held keys reach the cut (the kernel's two-pass
+    fall-back)."""
     keys = orderable_keys(held)
     keys = keys[keys >= orderable_keys(np.array([cut], np.float32))[0]]
     if keys.size < kk:
         return None
-    # the kernel's: fixed digits
+    # fixed digits (the kernel's way before)
     need, prefix, key_mask, levels = kk, 0, 0, 0
     for shift, mask in ((21, 0x7FF), (10, 0x7FF), (0, 0x3FF)):
         levels += 1
@@ -124,7 +125,7 @@ def end_select(held: np.ndarray, cut: float, kk: int) -> tuple[int, int, int, in
         if kk - need + ties <= TOP_CAP:
             break
     fixed = (levels, kk - need + ties)
-    # span-based: the first level's bins cover [lo, hi]
+    # span-based (the kernel's way now): the first level's bins cover [lo, hi]
     lo, hi = int(orderable_keys(np.array([cut], np.float32))[0]), int(keys.max())
     shift = max(0, (hi - lo).bit_length() - 11)
     need, above, levels = kk, 0, 0
