@@ -171,14 +171,14 @@ def test_warp_shuffle_scan_on_emulated_shuffles(T):
 
 
 @pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated shuffles")
-@pytest.mark.parametrize("n,T", [(1, 32), (8, 32), (32, 32), (64, 64), (128, 64), (256, 64),
-                                 (512, 64), (128, 96)])
+@pytest.mark.parametrize("n,T", [(1, 32), (8, 32), (32, 32), (64, 32), (64, 64), (128, 64),
+                                 (256, 64), (512, 64), (128, 96)])
 def test_gpu_bitonic_sort_on_emulated_shuffles(n, T):
     """Registers and shuffles up to the block's length (the steps of stride 32 and more through
     shared memory at n = 64), two registers a thread at twice it (128 at T 64: strides of 32
-    through shared memory, of T in registers), four up to four times it (256: strides of T
-    and 2 T in registers), the shared-memory network past it or where T is not a power of
-    two."""
+    through shared memory, of T in registers; 64 at T 32: no shared step), four up to four
+    times it (256: strides of T and 2 T in registers), the shared-memory network past it or
+    where T is not a power of two."""
     from simulated_warp import emulated_shuffles
 
     with emulated_shuffles():

@@ -505,7 +505,8 @@ def _shuffle_step(x, i, stride, size):
 
 @cuda.jit(device=True, inline=True)
 def _bitonic_sort_in_registers_x4(keys, n, tid, T):
-    """The network for ``T < n <= 4 T``: thread ``t`` holds elements ``t``, ``t + T``,
+    """The network for ``2 T < n <= 4 T`` (``n = 4 T`` for powers of two; ``n = 2 T`` takes
+    :func:`_bitonic_sort_in_registers_x2`): thread ``t`` holds elements ``t``, ``t + T``,
     ``t + 2 T``, ``t + 3 T`` in four registers (``x0 .. x3``; dummies past ``n``). A step of
     stride ``< 32`` is a shuffle in each register; of stride ``>= T``, a compare-exchange of two
     of the thread's own registers (slots ``q`` and ``q ^ stride / T``), no barrier; between the

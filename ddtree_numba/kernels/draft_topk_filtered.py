@@ -514,7 +514,7 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
             tops[warp] = held_top
             if overflow:
                 counts[WARPS] = 1
-        # the block's log-sum-exp terms (both reductions end with a barrier: counts,
+        # the block's log-sum-exp terms (both reductions end with a barrier: counts, tops,
         # the overflow flag and floor_b are visible after them)
         big = block_max(red_f, m, tid, T)
         total = block_sum(red_f, s * math.exp(m - big) if m > NEG_INF else float32(0.0),
