@@ -170,3 +170,22 @@ def test_kernel_unchecked_garbage_links_stay_well_formed(seed):
     predict = rng.integers(0, 3, (bs, N)).astype(np.int32)
     res = K.tree_accept(tokens, first, sibling, predict, check=False)
     assert_accept_well_formed(res, tokens, predict)
+
+
+def test_kernel_unchecked_links_at_the_row_end_read_nothing_past_it():
+    """At N = MAX_NODES (the shared rows' length) every first child and sibling is N, N + 1
+    or negative, and every token matches: the walk loads each sibling's entry at a clamped
+    index while its range test runs, so a link of N must never be loaded (the simulator
+    raises on a read past a shared array); nothing is accepted."""
+    from ddtree_numba.limits import MAX_NODES
+
+    N = MAX_NODES
+    rng = np.random.default_rng(17)
+    tokens = np.zeros((2, N), np.int32)
+    first = rng.choice(np.array([N, N + 1, -1, -N], np.int32), (2, N))
+    sibling = rng.choice(np.array([N, N + 1, -1], np.int32), (2, N))
+    first[:, 0] = N                                     # the root's first child: one past
+    predict = np.zeros((2, N), np.int32)
+    res = K.tree_accept(tokens, first, sibling, predict, check=False)
+    assert_accept_well_formed(res, tokens, predict)
+    assert res.accept_len.copy_to_host().tolist() == [0, 0]

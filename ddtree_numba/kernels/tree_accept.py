@@ -9,7 +9,9 @@ dependent global load per link followed. So each request gets one block that
    Thread ``t`` holds entries ``t``, ``t + T`` and ``t + 2 T`` (``T`` threads): all twelve
    loads are issued (``load_rows``) before the first is stored, so the staging costs one
    DRAM latency, not one per round of a load-then-store loop;
-2. walks the lists from the root in thread 0, in shared memory (~30 cycles per link)
+2. walks the lists from the root in thread 0, in shared memory: a sibling tried is one 8-byte
+   load (``link``: its token and its next sibling side by side), issued at a clamped index
+   while the link's range test runs beside it
 3. writes ``accept_nodes`` / ``accept_tokens`` rows with all threads    (2 N writes)
 
 Grid ``(bs,)``, block ``(ACCEPT_THREADS,)``; ``N <= 1056`` (the static shared-memory rows).
@@ -22,7 +24,7 @@ access, a hang or ``accept_len > N - 1``; ``path[k]`` stays below ``N <= MAX_NOD
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, int32
+from numba import cuda, int32, uint32, uint64
 
 from ..contracts import AcceptResult
 from ..limits import MAX_NODES
@@ -82,9 +84,19 @@ def load_rows(token_ids, next_token, next_sibling, target_predict, b, tid, threa
 
 
 @cuda.jit(device=True, inline=True)
-def _store_entry(entry, i, N, tok, first, sib, pred):
+def _link(token, sibling):
+    """A node's walk entry: its next sibling in the high 32 bits, its token in the low."""
+    return (uint64(uint32(sibling)) << uint64(32)) | uint64(uint32(token))
+
+
+@cuda.jit(device=True, inline=True)
+def _store_entry(entry, i, N, tok, first, link, pred):
     if i < N:
-        tok[i], first[i], sib[i], pred[i] = entry
+        token, child, sibling, predicted = entry
+        tok[i] = token
+        first[i] = child
+        link[i] = _link(token, sibling)
+        pred[i] = predicted
 
 
 @cuda.jit(device=True, inline=True)
@@ -95,15 +107,16 @@ def greedy_walk(token_ids, next_token, next_sibling, target_predict, held, b, ti
     the path ``path[0..k]``, ``result[0] = k`` and ``result[1]`` the bonus token, and ``tok``
     holds the node tokens."""
     first = cuda.shared.array(MAX_NODES, int32)
-    sib = cuda.shared.array(MAX_NODES, int32)
+    link = cuda.shared.array(MAX_NODES, uint64)     # (next sibling << 32) | token
     pred = cuda.shared.array(MAX_NODES, int32)
-    _store_entry(held[0], tid, N, tok, first, sib, pred)          # 1. stage the rows
-    _store_entry(held[1], tid + threads, N, tok, first, sib, pred)
-    _store_entry(held[2], tid + 2 * threads, N, tok, first, sib, pred)
+    _store_entry(held[0], tid, N, tok, first, link, pred)         # 1. stage the rows
+    _store_entry(held[1], tid + threads, N, tok, first, link, pred)
+    _store_entry(held[2], tid + 2 * threads, N, tok, first, link, pred)
     for i in range(tid + STAGE_ROUNDS * threads, N, threads):     # small blocks only
-        tok[i] = token_ids[b, i]
+        token = token_ids[b, i]
+        tok[i] = token
         first[i] = next_token[b, i]
-        sib[i] = next_sibling[b, i]
+        link[i] = _link(token, next_sibling[b, i])
         pred[i] = target_predict[b, i]
     cuda.syncthreads()                              # rows staged before the walk reads them
 
@@ -111,19 +124,30 @@ def greedy_walk(token_ids, next_token, next_sibling, target_predict, held, b, ti
         cur = 0
         k = 0
         path[0] = 0
-        steps = 0                                   # links followed; < N in a valid tree
+        # links followed, < N in a valid tree; 32-bit (int32 N, steps, an unsigned index:
+        # numba's int64 arithmetic and the wrap it adds to a signed index are the walk's
+        # critical path otherwise)
+        steps = int32(0)
+        n_links = int32(N)
+        last = uint32(N - 1)
         while k < N - 1:                            # a valid tree's longest path: N - 1
             want = pred[cur]
             c = first[cur]
-            while c > 0 and c < N and tok[c] != want and steps < N:
-                c = sib[c]                          # next sibling in list order
-                steps += 1
-            if c <= 0 or c >= N or steps >= N:      # no child matches: stop
+            while steps < n_links:                  # cur's children, in list order
+                # c in [1, N) as one unsigned compare (c <= 0 wraps past N - 1); the entry
+                # is loaded at a clamped index while the test runs, one load a sibling
+                inside = uint32(c - 1) < last
+                entry = link[uint32(c) if inside else uint32(0)]
+                if not inside or int32(entry & uint64(0xFFFFFFFF)) == want:
+                    break                           # out of the list, or the match
+                c = int32(entry >> uint64(32))      # the next sibling
+                steps = int32(steps + 1)
+            if uint32(c - 1) >= last or steps >= n_links:  # no child matches: stop
                 break
             k += 1
             path[k] = c
             cur = c
-            steps += 1
+            steps = int32(steps + 1)
         result[0] = k
         result[1] = pred[cur]
     cuda.syncthreads()                              # path complete before anyone reads it
