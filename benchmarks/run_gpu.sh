@@ -111,21 +111,28 @@ if [ "$what" = targets ]; then   # the DDTree stages' target tables, in one devi
     (cd benchmarks && OUT="$OUT" timeout 120 python3 bench_ddtree_part.py --quick) 2>&1 \
         | tee "$OUT/bench_ddtree_part.log" | grep -v "^{" | tail -6
 fi
-if [ "$what" = ab ]; then   # draft_topk at bs 64: a baseline tree's package, then this tree's
-    # The baseline is a copy of the package at an earlier commit, made before the device run
-    # and carried to it:
+if [ "$what" = ab ]; then   # a baseline tree's package, then this tree's, in one command
+    # Usage: AB_BASE=<tree> bash benchmarks/run_gpu.sh ab [draft_topk|accept_commit]
+    # draft_topk: the --targets rows at bs 64; accept_commit: bench_small_kernels'
+    # accept_commit table. The baseline is a copy of the package at an earlier commit, made
+    # before the device run and carried to it:
     #   mkdir -p .ab/base && git archive <commit> ddtree_numba | tar -x -C .ab/base
     #   run(command="AB_BASE=.ab/base bash benchmarks/run_gpu.sh ab", carry=[".whl", ".ab"])
     # Both runs use this tree's benchmark scripts (the package's public calls are the same),
     # in one device command, so that the two tables come from the same machine and lease.
+    case ${2:-draft_topk} in
+        draft_topk) args="--targets --draft-topk-only --bs 64" ;;
+        accept_commit) args="--accept-commit-only" ;;
+        *) echo "run_gpu.sh ab: expected draft_topk or accept_commit, got $2" >&2; exit 2 ;;
+    esac
     for tree in "${AB_BASE:?AB_BASE: the baseline tree, see above}" "$PWD"; do
         name=$([ "$tree" = "$PWD" ] && echo this || echo base)
         root=$(cd "$tree" && pwd) || exit 1
         mkdir -p "$OUT/$name"
+        # shellcheck disable=SC2086  # $args is meant to split into arguments
         (cd benchmarks && PYTHONPATH=$site$root OUT="$OUT/$name" \
-            timeout 270 python3 bench_small_kernels.py --targets \
-            --draft-topk-only --bs 64) 2>&1 | tee "$OUT/$name/bench_small_kernels.log" \
-            | grep -v "^{" | tail -8
+            timeout 270 python3 bench_small_kernels.py $args) 2>&1 \
+            | tee "$OUT/$name/bench_small_kernels.log" | grep -v "^{" | tail -10
     done
 fi
 if [ "$what" = small ]; then
