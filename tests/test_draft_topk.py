@@ -222,22 +222,27 @@ def test_filtered_kernel_on_emulated_warp_intrinsics(monkeypatch, case, guess):
         check_kernel(x, k, parts, variant="filtered")
 
 
-@pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated warp intrinsics")
 def test_filtered_end_select_refines_a_crowded_bin_itself(monkeypatch):
-    """The one-pass kernel's end select, level by level. Rows of 1 024 logits: -5, but for the
-    guess's sample (logits 0-127 and 512-639, 0.5 to 0.5625, so the guess lies there and no
-    warp compacts), 150 consecutive floats from 1.0 up spread over the rest, and one 1e30.
-    The first level's 2 048 bins span the held keys from the guess's key to 1e30's, and the
-    bin of the 64th key (14 bins above the guess's) holds the 150: more than TOP_CAP; the
-    second level's bins of 256 units put them in one bin (bin 128 or 176), still crowded;
-    the third finds the key (seen with a print in the simulator). The two-pass fall-back is
-    exact too and would hide a wrong refinement (a short count sends the block there), so it
-    is replaced by one that writes nothing: ids exact means the levels found them."""
-    from simulated_warp import emulated_shuffles, take_gpu_variant
+    """The one-pass kernel's end select, level by level, at the simulator's sizes (emulated
+    warp intrinsics) and the GPU's. Two rows of -5, but for the guess's sample (the words it
+    reads, 0.5 to 0.625, so the guess lies there and no warp compacts), ``TOP_CAP + 22``
+    consecutive floats from 1.0 up spread over the rest, and one 1e30. The first level's 2 048
+    bins span the held keys from the guess's key to 1e30's, and the bin of the ``k``-th key
+    holds the run of consecutive floats: more than ``TOP_CAP``. The second level's bins of 256
+    units split it, into one crowded bin on the simulator (128 candidates fit; the third level
+    finds the key: seen with a print) and into three on a GPU (512 fit). The two-pass fall-back
+    is exact too and would hide a wrong refinement (a short count sends the block there), so
+    it is replaced by one that writes nothing: ids exact means the levels found them."""
+    import contextlib
 
     import ddtree_numba.kernels.draft_topk_filtered as filtered
 
-    take_gpu_variant(monkeypatch, "ddtree_numba.kernels.draft_topk")
+    context = contextlib.nullcontext()
+    if K.SIMULATOR:
+        from simulated_warp import emulated_shuffles, take_gpu_variant
+
+        take_gpu_variant(monkeypatch, "ddtree_numba.kernels.draft_topk")
+        context = emulated_shuffles()
 
     @cuda.jit(device=True)
     def no_fallback(row, lo, hi, k, tid, T, cand, hist, scratch, result, red_u, red_f,
@@ -246,20 +251,24 @@ def test_filtered_end_select_refines_a_crowded_bin_itself(monkeypatch):
 
     monkeypatch.setattr(filtered, "_select_top", lambda bf16: (None, no_fallback))
     whole_row, _ = filtered._make_filtered_kernels(False)   # not the cached kernels
+    T, loads = filtered.FILTER_THREADS, filtered.WORDS       # float32: WORDS loads a lane
+    V = 1024 if K.SIMULATOR else 32768                       # a guess of rank 4 / 8
+    k = filtered.FILTER_MAX_K
+    seg = V // 2 // loads                   # the guess reads words u seg + t, t < T
+    sampled = np.concatenate([np.arange(2 * u * seg, 2 * (u * seg + T)) for u in range(loads)])
+    rest = np.setdiff1d(np.arange(V), np.r_[sampled, 2 * T + 44])
     rng = np.random.default_rng(11)
-    V, k = 1024, 64
     x = np.full((2, V), -5.0, np.float32)
-    sampled = np.r_[0:128, 512:640]
-    rest = np.setdiff1d(np.arange(V), np.r_[sampled, 300])
     for row in x:
-        row[sampled] = 0.5 + rng.permutation(256) * 2.0**-12
-        row[rng.choice(rest, 150, replace=False)] = 1 + np.arange(150) * 2.0**-23
-        row[300] = 1e30
-    bits = x.view(np.uint32)
-    lp, ids = np.zeros((2, k), np.float32), np.zeros((2, k), np.int32)
-    with emulated_shuffles():
-        whole_row[2, filtered.FILTER_THREADS](bits.view(np.uint64), bits, k, lp, ids)
-    np.testing.assert_array_equal(ids, ref.draft_topk(x[:, None], k)[1][:, 0])
+        row[sampled] = 0.5 + rng.permutation(sampled.size) * (0.125 / sampled.size)
+        run = filtered.TOP_CAP + 22
+        row[rng.choice(rest, run, replace=False)] = 1 + np.arange(run) * 2.0**-23
+        row[2 * T + 44] = 1e30
+    bits = cuda.to_device(x.view(np.uint32))
+    lp, ids = cuda.device_array((2, k), np.float32), cuda.device_array((2, k), np.int32)
+    with context:
+        whole_row[2, T](bits.view(np.uint64), bits, k, lp, ids)
+    np.testing.assert_array_equal(ids.copy_to_host(), ref.draft_topk(x[:, None], k)[1][:, 0])
 
 
 @pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated warp intrinsics")
