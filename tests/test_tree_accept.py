@@ -172,20 +172,74 @@ def test_kernel_unchecked_garbage_links_stay_well_formed(seed):
     assert_accept_well_formed(res, tokens, predict)
 
 
-def test_kernel_unchecked_links_at_the_row_end_read_nothing_past_it():
-    """At N = MAX_NODES (the shared rows' length) every first child and sibling is N, N + 1
-    or negative, and every token matches: the walk loads each sibling's entry at a clamped
-    index while its range test runs, so a link of N must never be loaded (the simulator
-    raises on a read past a shared array); nothing is accepted."""
+def unchecked_walk(tokens, first, sibling, predict):
+    """The kernel's walk as it was written before its entries were packed, for any links
+    (the reference refuses invalid trees): ``(k, path, bonus)`` of one request."""
+    N = len(tokens)
+    cur, k, path, steps = 0, 0, [0], 0
+    while k < N - 1:
+        want = predict[cur]
+        c = first[cur]
+        while 0 < c < N and tokens[c] != want and steps < N:
+            c = sibling[c]
+            steps += 1
+        if c <= 0 or c >= N or steps >= N:
+            break
+        k += 1
+        path.append(int(c))
+        cur = c
+        steps += 1
+    return k, path, predict[cur]
+
+
+EXTREME_LINKS = (-2**31, -1056, -2, -1, 0, 2**31 - 1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_kernel_unchecked_garbage_links_walk_as_written(seed):
+    """Random links, extreme ones among them (N, N + 1, -N, -2**31, 2**31 - 1, ...), and
+    tokens that often match: the accepted path, tokens and bonus equal those of the walk
+    written out in numpy, exactly."""
+    rng = np.random.default_rng(700 + seed)
+    bs = 8
+    for N in (1, 2, 5, int(rng.integers(6, 40))):
+        links = np.r_[np.arange(-3, N + 3), EXTREME_LINKS].astype(np.int32)
+        tokens = rng.integers(-1, 3, (bs, N)).astype(np.int32)
+        first = rng.choice(links, (bs, N)).astype(np.int32)
+        sibling = rng.choice(links, (bs, N)).astype(np.int32)
+        predict = rng.integers(-1, 3, (bs, N)).astype(np.int32)
+        res = K.tree_accept(tokens, first, sibling, predict, check=False)
+        lens, nodes = res.accept_len.copy_to_host(), res.accept_nodes.copy_to_host()
+        got_tokens, bonus = res.accept_tokens.copy_to_host(), res.bonus_token.copy_to_host()
+        for b in range(bs):
+            k, path, want_bonus = unchecked_walk(tokens[b], first[b], sibling[b], predict[b])
+            assert lens[b] == k and bonus[b] == want_bonus, (N, b)
+            np.testing.assert_array_equal(nodes[b, : k + 1], path)
+            np.testing.assert_array_equal(got_tokens[b, :k], tokens[b, path[1:]])
+
+
+@pytest.mark.parametrize("bad", [1056, 1057, 0, -1, -1056, -2**31, 2**31 - 1])
+def test_kernel_unchecked_sibling_at_the_row_end_is_never_loaded(bad):
+    """At N = MAX_NODES (the shared rows' length): the root's first child does not match, its
+    sibling N - 1 (the last node) does, and N - 1's first child does not match either, whose
+    next sibling is ``bad``, past the rows or negative. The walk loads each sibling's entry at
+    a clamped index while its range test runs, so a link of N must never be loaded (the
+    simulator refuses a read past a shared array) nor a negative one wrap around: one node
+    accepted, N - 1."""
     from ddtree_numba.limits import MAX_NODES
 
     N = MAX_NODES
-    rng = np.random.default_rng(17)
-    tokens = np.zeros((2, N), np.int32)
-    first = rng.choice(np.array([N, N + 1, -1, -N], np.int32), (2, N))
-    sibling = rng.choice(np.array([N, N + 1, -1], np.int32), (2, N))
-    first[:, 0] = N                                     # the root's first child: one past
-    predict = np.zeros((2, N), np.int32)
+    assert bad in (N, N + 1) or bad <= 0 or bad >= 2**31 - 1
+    tokens = np.full((1, N), 9, np.int32)
+    first = np.full((1, N), -1, np.int32)
+    sibling = np.full((1, N), -1, np.int32)
+    predict = np.zeros((1, N), np.int32)
+    predict[0, 0], predict[0, N - 1] = 5, 6
+    first[0, 0], sibling[0, 1] = 1, N - 1          # root -> 1 (token 9) -> N - 1 (token 5)
+    tokens[0, N - 1] = 5
+    first[0, N - 1], sibling[0, 2] = 2, bad         # N - 1 -> 2 (token 9) -> bad
     res = K.tree_accept(tokens, first, sibling, predict, check=False)
     assert_accept_well_formed(res, tokens, predict)
-    assert res.accept_len.copy_to_host().tolist() == [0, 0]
+    assert res.accept_len.copy_to_host().tolist() == [1]
+    assert res.accept_nodes.copy_to_host()[0, :2].tolist() == [0, N - 1]
+    assert res.bonus_token.copy_to_host().tolist() == [6]

@@ -5,7 +5,8 @@ most ``L`` levels, each a scan of one sibling list. What makes it slow on a GPU 
 dependent global load per link followed. So each request gets one block that
 
 1. stages its four ``int32[N]`` rows (tokens, first child, next sibling, target prediction)
-   into shared memory with coalesced loads by all threads          (4 N reads per request).
+   into shared memory with coalesced loads by all threads          (4 N reads per request);
+   each node's next sibling is stored beside its token in one ``uint64`` entry (``link``).
    Thread ``t`` holds entries ``t``, ``t + T`` and ``t + 2 T`` (``T`` threads): all twelve
    loads are issued (``load_rows``) before the first is stored, so the staging costs one
    DRAM latency, not one per round of a load-then-store loop;
@@ -24,7 +25,7 @@ access, a hang or ``accept_len > N - 1``; ``path[k]`` stays below ``N <= MAX_NOD
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, int32, uint32, uint64
+from numba import cuda, int32, int64, uint32, uint64
 
 from ..contracts import AcceptResult
 from ..limits import MAX_NODES
@@ -134,15 +135,16 @@ def greedy_walk(token_ids, next_token, next_sibling, target_predict, held, b, ti
             want = pred[cur]
             c = first[cur]
             while steps < n_links:                  # cur's children, in list order
-                # c in [1, N) as one unsigned compare (c <= 0 wraps past N - 1); the entry
-                # is loaded at a clamped index while the test runs, one load a sibling
-                inside = uint32(c - 1) < last
+                # c in [1, N) as one unsigned compare (c <= 0 wraps past N - 1; c - 1 in
+                # int64, as numba computes it anyway: int32 would overflow at -2**31 on the
+                # simulator); the entry is loaded at a clamped index while the test runs
+                inside = uint32(int64(c) - 1) < last
                 entry = link[uint32(c) if inside else uint32(0)]
                 if not inside or int32(entry & uint64(0xFFFFFFFF)) == want:
                     break                           # out of the list, or the match
                 c = int32(entry >> uint64(32))      # the next sibling
                 steps = int32(steps + 1)
-            if uint32(c - 1) >= last or steps >= n_links:  # no child matches: stop
+            if uint32(int64(c) - 1) >= last or steps >= n_links:    # no child: stop
                 break
             k += 1
             path[k] = c
