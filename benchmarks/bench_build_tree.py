@@ -6,7 +6,10 @@ Inputs are the top-K of random drafter logits (scaled so the drafter is fairly c
 * ``gpu``: the kernel (select + finish launches, the default select), device
   time of a graph replay; ``corners_select_us``, ``warp_select_us``, ``levels_select_us``,
   ``threshold_select_us``: the select phase alone of each variant (each checked exact, with
-  the finish; the threshold select runs its fall-back in its own block).
+  the finish; the threshold select runs its fall-back in its own block). ``finish_us``: the
+  whole call less its default select; ``finish_alone_us``: the finish launch alone, at the
+  rows a block that ``finish_rows`` picks (``finish_rows``) and at 32 (``finish32_alone_us``,
+  the grid before that choice), both checked exact.
 * ``numpy_ref``: reference.build_tree, plus the copies a CPU path needs (top-K device -> host,
   the tree's arrays host -> device), wall clock.
 * ``python_heap``: a per-request Python heap, the way published DDTree ports build the tree on
@@ -26,6 +29,8 @@ from harness import Bench, print_table
 
 from ddtree_numba import kernels as K
 from ddtree_numba import reference as ref
+from ddtree_numba.kernels._device import sm_count
+from ddtree_numba.kernels.build_tree_finish import finish_rows
 
 kbt = importlib.import_module("ddtree_numba.kernels.build_tree")   # the module, not the function
 
@@ -106,6 +111,18 @@ def main(quick: bool = False):
                 kbt.launch_finish(d_ids, d_roots, d_prefix, True, out, scratch)
                 cp.cuda.Device().synchronize()
                 exact_by_variant[variant] = same_tree(out, want)
+            # the finish alone: at the rows a block finish_rows picks, and at 32 rows (each
+            # writes the whole tree again over the last select's node table)
+            rows = finish_rows(bs, budget + 1, sm_count())
+            finish_alone, finish_exact = {}, True
+            for r in dict.fromkeys((rows, 32)):
+                def finish(r=r):
+                    kbt.launch_finish(d_ids, d_roots, d_prefix, True, out, scratch,
+                                      rows_per_block=r)
+                finish_alone[r] = bench.time_device(finish, reps=30)
+                finish()
+                cp.cuda.Device().synchronize()
+                finish_exact = finish_exact and same_tree(out, want)
             host = bench.time_host(launch, reps=10, sync=False)     # the default variant
             cp.cuda.Device().synchronize()
             exact = same_tree(out, want)
@@ -131,6 +148,9 @@ def main(quick: bool = False):
                       corners_select_us=corners["ms"] * 1e3, warp_select_us=warp["ms"] * 1e3,
                       default_select=default,
                       finish_us=(gpu["ms"] - selects[default]["ms"]) * 1e3,
+                      finish_rows=rows, finish_alone_us=finish_alone[rows]["ms"] * 1e3,
+                      finish32_alone_us=finish_alone[32]["ms"] * 1e3,
+                      finish_exact=finish_exact,
                       corners_exact=exact_by_variant["corners"],
                       levels_select_us=levels["ms"] * 1e3, levels_exact=exact_by_variant["levels"],
                       warp_exact=exact_by_variant["warp"],
@@ -146,7 +166,8 @@ def main(quick: bool = False):
     print_table(bench.rows, ["bs", "budget", "K", "gpu_us", "corners_select_us",
                              "warp_select_us", "levels_select_us", "threshold_select_us",
                              "corners_exact", "warp_exact", "levels_exact", "threshold_exact",
-                             "default_select", "finish_us", "corners_ns_per_pop",
+                             "default_select", "finish_us", "finish_rows", "finish_alone_us",
+                             "finish32_alone_us", "finish_exact", "corners_ns_per_pop",
                              "host_launch_us", "numpy_ref_us", "python_heap_us",
                              "speedup_vs_heap", "bit_exact"],
                 f"build_tree on {bench.gpu}, {bench.date} (device time: graph replay median)")

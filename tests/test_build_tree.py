@@ -2,6 +2,7 @@
 
 import dataclasses
 import heapq
+import importlib
 
 import numpy as np
 import pytest
@@ -270,6 +271,59 @@ def test_finish_writes_the_mask_in_words_from_any_alignment(variant, head, budge
     assert_trees_equal(got, want)
     around = raw.copy_to_host()
     assert (around[:head] == 0xAB).all() and (around[head + bs * N * N:] == 0xAB).all()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 31, 32])
+@pytest.mark.parametrize("head,budget", [(0, 0), (3, 1), (0, 6), (5, 40), (1, 70)])
+def test_finish_at_any_rows_per_block(rows, head, budget):
+    """The finish kernel's grid takes ``rows_per_block`` rows a block (``finish_rows`` picks
+    it from the batch and the SMs): every choice, a power of two or not, one block a row up to
+    the row bits' room, writes the same tree (tokens, positions, both masks) over outputs
+    filled with garbage, and leaves the bytes around a mask that starts ``head`` bytes past an
+    aligned address untouched."""
+    from numba import cuda
+
+    kbt = importlib.import_module("ddtree_numba.kernels.build_tree")   # not the function
+
+    lp, ids, roots, _, prefix = random_tree_inputs(np.random.default_rng(30 + budget), bs=2,
+                                                   budget=budget)
+    want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
+    bs, N = lp.shape[0], budget + 1
+    raw = cuda.to_device(np.full(bs * N * N + 8, 0xAB, np.uint8))
+    mask = raw[head:head + bs * N * N].view(np.bool_).reshape(bs, N, N)
+    out = dataclasses.replace(K.allocate_tree(bs, N), visibility=mask)
+    d_lp, d_ids, d_roots, d_prefix = (cuda.to_device(a) for a in (lp, ids, roots, prefix))
+    ranks = cuda.device_array((bs, N), np.int32)
+    kbt.launch_select("levels", d_lp, budget, out, ranks)
+    for name in ("token_ids", "positions", "visibility_bits"):
+        field = getattr(out, name)
+        field.copy_to_device(np.full(field.shape, 0x5A5A5A5A, field.dtype))
+    mask.copy_to_device(np.ones((bs, N, N), np.bool_))
+    kbt.launch_finish(d_ids, d_roots, d_prefix, True, out, ranks, rows_per_block=rows)
+    assert_trees_equal(out, want)
+    around = raw.copy_to_host()
+    assert (around[:head] == 0xAB).all() and (around[head + bs * N * N:] == 0xAB).all()
+
+
+def test_finish_rows_fill_the_sms_and_refuse_a_bad_count():
+    """``finish_rows``: 32 rows a block while the grid has two blocks an SM, halved down to one
+    row where it would not; ``launch_finish`` refuses a count outside ``1 .. FINISH_ROWS``
+    before launching."""
+    kbt = importlib.import_module("ddtree_numba.kernels.build_tree")   # not the function
+    from ddtree_numba.kernels.build_tree_finish import FINISH_ROWS, finish_rows
+
+    assert [finish_rows(bs, N, 132) for bs, N in
+            [(1, 257), (1, 65), (1, 1025), (8, 257), (8, 1025), (64, 257), (64, 1025)]] == \
+        [1, 1, 2, 8, 32, 32, 32]
+    assert finish_rows(1, 1, 132) == 1 and finish_rows(1000, 2, 1) == FINISH_ROWS
+    lp, ids, roots, budget, prefix = random_tree_inputs(np.random.default_rng(9), bs=1, budget=4)
+    out = K.allocate_tree(1, budget + 1)
+    for bad in (0, FINISH_ROWS + 1):
+        with pytest.raises(ValueError, match=rf"rows_per_block: expected 1 .. {FINISH_ROWS}, "
+                                             rf"got {bad}"):
+            kbt.launch_finish(K.as_device(ids), K.as_device(roots), K.as_device(prefix), True,
+                              out, K.as_device(np.zeros((1, budget + 1), np.int32)),
+                              rows_per_block=bad)
 
 
 def test_kernel_refuses_preallocated_buffers_it_would_write_past():

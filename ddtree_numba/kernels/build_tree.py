@@ -491,7 +491,7 @@ def build_specs():
     inputs = (i3, i1, i1, types.boolean)             # top_token_ids, roots, prefix, has_prefix
     outputs = (i2, i2, types.uint32[:, :, ::1], types.uint8[::1], types.uint64[::1],
                types.int64)                          # finish_outputs
-    finish = (*inputs, i2, i2, i2, i1, *outputs)
+    finish = (*inputs, i2, i2, i2, i1, types.int64, *outputs)   # ..., rows_per_block, outputs
     return [
         KernelSpec("build_tree", "select scan", _select_scan_kernel, select, 1, False),
         KernelSpec("build_tree", "select warp", _select_warp_kernel, select, SELECT_THREADS, True),

@@ -6,9 +6,16 @@ as packed bits (``visibility_bits[b, i, w]``: bit ``a % 32`` of word ``a // 32``
 ``a`` on the path) and as the bool mask (``visibility[b, i, a]``), and the row's token and
 position. Rows past the tree's ``n`` nodes are padding: no bits, token and position ``-1``.
 
-One launch after any select, grid ``(ceil(N / FINISH_ROWS), bs)``: a block takes
-``FINISH_ROWS`` consecutive rows ``i0 .. i0 + rows - 1`` of one request and reads that
-request's parents once into shared memory.
+One launch after any select, grid ``(ceil(N / rows_per_block), bs)``: a block takes
+``rows_per_block`` (at most ``FINISH_ROWS``) consecutive rows ``i0 .. i0 + rows - 1`` of one
+request and reads that request's parents once into shared memory, every load in flight before
+the first is stored (``FINISH_STAGE`` registers a thread: one trip to memory, where a loop that
+stored each parent before loading the next made ``ceil(n / FINISH_THREADS)`` of them).
+``finish_rows`` picks ``rows_per_block``: ``FINISH_ROWS``, halved while the grid would give
+fewer than ``FINISH_FILL`` blocks an SM. At bs 1 a tree of 257 nodes is then 257 blocks of
+one row each instead of 9 of 32 rows: every block's chain (the parents, one walk, a row's
+writes) is as long as before, but a thread writes one word of the bool mask instead of eight,
+and the rows are spread over all SMs.
 
 **Row bits in shared memory.** Row ``r`` of the block is ``row_words = ceil(N / 64)``
 ``uint64`` words at ``bits[r * row_words]``, bit ``a % 64`` of word ``a // 64`` set for node
@@ -36,10 +43,12 @@ from numba import cuda, int32, int64, uint8, uint32, uint64
 
 from ..arrays import data_address
 from ..limits import MAX_NODES
-from ._device import SIMULATOR, as_device, launch, launch_stream
+from ._device import SIMULATOR, as_device, launch, launch_stream, sm_count
 
-FINISH_ROWS = 32                    # tree rows per block of the finish kernel
+FINISH_ROWS = 32                    # tree rows a block of the finish kernel takes, at most
 FINISH_THREADS = 32 if SIMULATOR else 128   # the simulator runs one Python thread per thread
+FINISH_STAGE = -(-MAX_NODES // FINISH_THREADS)  # parents a thread stages (9 on a GPU)
+FINISH_FILL = 2                     # blocks an SM below which finish_rows halves the rows
 ROW_WORDS_MAX = -(-MAX_NODES // 64)         # uint64 words of the widest row (17)
 FINISH_WORDS = FINISH_ROWS * ROW_WORDS_MAX  # the finish kernel's row bits (4 352 B)
 LOW = uint64(0xFFFFFFFF)
@@ -52,21 +61,19 @@ def row_words_of(N):
 
 
 @cuda.jit(device=True, inline=True)
-def write_token_and_position(b, i, n, depth, rank, top_token_ids, root_token_ids,
-                             prefix_lens, has_prefix, token_ids, positions):
+def token_and_position(b, i, n, depth, rank, top_token_ids, root_token_ids, prefix_lens,
+                       has_prefix):
     """Row ``i``'s token (the root's, else ``top_token_ids[b, depth - 1, rank]``) and position
     (``depth``, plus ``prefix_lens[b]`` when ``has_prefix``); both ``-1`` past the ``n``
-    nodes."""
+    nodes. Only loads: the caller stores them once they have arrived."""
     if i == 0:
-        token_ids[b, 0] = root_token_ids[b]
+        token = root_token_ids[b]
     elif i < n:
-        token_ids[b, i] = top_token_ids[b, depth - 1, rank]
+        token = top_token_ids[b, depth - 1, rank]
     else:
-        token_ids[b, i] = -1
-    if i < n:
-        positions[b, i] = depth + (prefix_lens[b] if has_prefix else 0)
-    else:
-        positions[b, i] = -1
+        token = int32(-1)
+    position = int32(depth + (prefix_lens[b] if has_prefix else 0)) if i < n else int32(-1)
+    return token, position
 
 
 @cuda.jit(device=True, inline=True)
@@ -196,12 +203,13 @@ def write_rows(b, i0, rows, bits, row_words, tid, threads, visibility_bits, mask
 
 @cuda.jit
 def _finish_kernel(top_token_ids, root_token_ids, prefix_lens, has_prefix, parents, depths,
-                   ranks, num_nodes, token_ids, positions, visibility_bits, mask_bytes,
-                   mask_words, head):
-    """Grid ``(ceil(N / FINISH_ROWS), bs)``, block ``(FINISH_THREADS,)`` (128 on a GPU, 32
-    simulated): rows ``i0 .. i0 + rows - 1`` (32, fewer in the last block) of request ``b``,
-    after the select wrote its node table. One pass of :func:`walk_rows` and
-    :func:`write_rows`, the parents read once into shared memory.
+                   ranks, num_nodes, rows_per_block, token_ids, positions, visibility_bits,
+                   mask_bytes, mask_words, head):
+    """Grid ``(ceil(N / rows_per_block), bs)``, block ``(FINISH_THREADS,)`` (128 on a GPU, 32
+    simulated): rows ``i0 .. i0 + rows - 1`` (``rows_per_block``, fewer in the last block; at
+    most ``FINISH_ROWS``, the row bits' room) of request ``b``, after the select wrote its
+    node table. One pass of :func:`walk_rows` and :func:`write_rows`, the parents read once
+    into shared memory.
 
     The loops are row by row or word by word, with one division each at their entry, and
     stride by the constant ``FINISH_THREADS``, so no index is divided inside a loop (bar the
@@ -211,27 +219,45 @@ def _finish_kernel(top_token_ids, root_token_ids, prefix_lens, has_prefix, paren
     133 us there.
     """
     b = cuda.blockIdx.y
-    i0 = cuda.blockIdx.x * FINISH_ROWS
+    i0 = cuda.blockIdx.x * rows_per_block
     tid = cuda.threadIdx.x
     N = parents.shape[1]
-    n = num_nodes[b]
+    n = min(num_nodes[b], N)                        # (the select's count: <= N already)
+    rows = min(rows_per_block, FINISH_ROWS, N - i0)
     parent_s = cuda.shared.array(MAX_NODES, int32)
     bits = cuda.shared.array(FINISH_WORDS, uint64)
 
-    for i in range(tid, n, FINISH_THREADS):         # 1. the request's parents, once
-        parent_s[i] = parents[b, i]
-    if tid < FINISH_ROWS and i0 + tid < N:          # 2. token and RoPE position per row
-        i = i0 + tid
-        write_token_and_position(b, i, n, depths[b, i], ranks[b, i], top_token_ids,
-                                 root_token_ids, prefix_lens, has_prefix, token_ids, positions)
+    # 1. the request's parents, once: thread t loads entries t, t + FINISH_THREADS, ... (a
+    #    warp reads 128 contiguous bytes a load) into registers, all loads issued before the
+    #    first store waits for its value; thread t < rows loads row i0 + t's depth and rank
+    #    beside them. The loads test i < N, not i < n, so that they need not wait for n
+    staged = cuda.local.array(FINISH_STAGE, int32)
+    for q in range(FINISH_STAGE):                   # (constant trip count: unrolled)
+        i = tid + q * FINISH_THREADS
+        staged[q] = parents[b, uint64(i)] if i < N else int32(-1)   # (unsigned: no wrap)
+    mine = tid < rows                               # this thread writes row i0 + tid's token
+    depth = depths[b, i0 + tid] if mine else int32(0)
+    rank = ranks[b, i0 + tid] if mine else int32(0)
+    for q in range(FINISH_STAGE):
+        i = tid + q * FINISH_THREADS
+        if i < n:
+            parent_s[i] = staged[q]
+    # 2. the row's token and RoPE position: their loads (the token's needs the depth and
+    #    rank) go out now and are stored at the end, so that no barrier waits for them
+    token, position = int32(-1), int32(-1)
+    if mine:
+        token, position = token_and_position(b, i0 + tid, n, depth, rank, top_token_ids,
+                                             root_token_ids, prefix_lens, has_prefix)
     cuda.syncthreads()                              # parent_s complete before the walks
 
-    rows = min(FINISH_ROWS, N - i0)
     row_words = row_words_of(N)
     walk_rows(bits, row_words, i0, rows, n, parent_s, tid, FINISH_THREADS)   # 3. the bits
     cuda.syncthreads()                              # every row's words complete
     write_rows(b, i0, rows, bits, row_words, tid, FINISH_THREADS, visibility_bits,  # 4. out
                mask_bytes, mask_words, head)
+    if mine:
+        token_ids[b, i0 + tid] = token
+        positions[b, i0 + tid] = position
 
 
 def mask_views(visibility):
@@ -253,11 +279,32 @@ def finish_outputs(tree):
             head)
 
 
-def launch_finish(top_token_ids, root_token_ids, prefix, has_prefix, tree, ranks) -> None:
+def finish_rows(bs: int, N: int, sms: int) -> int:
+    """Rows a block of the finish kernel takes for ``bs`` trees of ``N`` nodes on ``sms``
+    SMs: ``FINISH_ROWS``, halved while the grid would have fewer than ``FINISH_FILL * sms``
+    blocks (at least one row). bs 1, N 257: 1 row (257 blocks); bs 8, N 257: 8; bs 64: 32."""
+    rows = FINISH_ROWS
+    while rows > 1 and bs * -(-N // rows) < FINISH_FILL * sms:
+        rows //= 2
+    return rows
+
+
+def launch_finish(top_token_ids, root_token_ids, prefix, has_prefix, tree, ranks,
+                  rows_per_block: int | None = None) -> None:
     """Launch the finish kernel alone (validated device inputs; used by ``build_tree`` after
-    the pop selects and by the benchmarks)."""
+    the selects and by the benchmarks). ``rows_per_block`` (``1 .. FINISH_ROWS``) defaults to
+    :func:`finish_rows`'s choice on a GPU (``FINISH_ROWS`` on the simulator); any value gives
+    the same tree."""
     bs, N = tree.parents.shape
-    grid = (math.ceil(N / FINISH_ROWS), bs)
+    if rows_per_block is None:
+        # (the simulator runs each block's threads as Python threads: there a block a row
+        # made the build_tree tests half as slow again; every count is tested explicitly)
+        rows = FINISH_ROWS if SIMULATOR else finish_rows(bs, N, sm_count())
+    else:
+        rows = int(rows_per_block)
+    if not 1 <= rows <= FINISH_ROWS:
+        raise ValueError(f"rows_per_block: expected 1 .. {FINISH_ROWS}, got {rows}")
+    grid = (math.ceil(N / rows), bs)
     launch(_finish_kernel, grid, FINISH_THREADS, launch_stream())(
         top_token_ids, root_token_ids, prefix, has_prefix, tree.parents, tree.depths, ranks,
-        tree.num_nodes, *finish_outputs(tree))
+        tree.num_nodes, rows, *finish_outputs(tree))
