@@ -231,18 +231,33 @@ def filtered_edits():
              "reads it\n")
     guessed = ("        cuda.syncthreads()                  # every warp's guess in floor_b[1]\n")
     start = "        m = NEG_INF\n        s = float32(0.0)\n"
-    scan = ("            end = warp_inclusive_scan(int32(mine), lane)\n"
-            "            arriving = cuda.shfl_sync(FULL_MASK, end, 31)\n"
-            "            if n + arriving > WARP_CAP and n > kk:\n")
-    room = ("                # make room first: compact (raising the floor), then filter the "
+    # a warp's tile counts live in shared memory (lane 0 of each warp, its own slots; a
+    # global counter's load would stall the loop), passed to both calls of filter_tile
+    counters = ("        counters = cuda.shared.array(96, int32)     # appends, compactions,"
+                " slow appends\n        if tid & 31 == 0:\n"
+                "            for c in range(3):\n                counters[c * WARPS + warp] = 0\n")
+    tile_sig = "                    buf, base, hist, hbase, lanes_below, floor_b):\n"
+    call_1 = ("                                                   hist, hbase, lanes_below, "
+              "floor_b)\n            tile += stride\n")
+    call_2 = "base, hist, hbase, lanes_below, floor_b)\n                tile += stride\n"
+
+    def count(indent, c):
+        pad = " " * indent
+        return (f"{pad}if lane == 0:\n"
+                f"{pad}    counters[{c} * WARPS + (cuda.threadIdx.x >> 5)] += 1\n")
+
+    scan = ("        end = warp_inclusive_scan(int32(mine), lane)\n"
+            "        arriving = cuda.shfl_sync(FULL_MASK, end, 31)\n"
+            "        if n + arriving > WARP_CAP and n > kk:\n")
+    room = ("            # make room first: compact (raising the floor), then filter the "
             "tile again\n")
-    slow = "            for q in range(LOADS * per_word):\n"
+    slow = "        for q in range(LOADS * per_word):\n"
     loop_end = ("        # the warp's largest held key: the top of the end's first histogram "
                 "(read here, by\n")
     warp_marks = ("        if lane == 0:\n            marks[16 + warp] = clock()\n"
-                  "            marks[24 + warp] = appends\n"
-                  "            marks[32 + warp] = compactions\n"
-                  "            marks[40 + warp] = slow_tiles\n")
+                  "            marks[24 + warp] = counters[warp]\n"
+                  "            marks[32 + warp] = counters[WARPS + warp]\n"
+                  "            marks[40 + warp] = counters[2 * WARPS + warp]\n")
     lse_done = "        cut_key = max(floor_b[0], floor_b[1])\n"
     level = "                ties = result[2]\n"
     fallback = "        if counts[WARPS] != 0 or short or kk - need + ties > TOP_CAP:\n"
@@ -257,11 +272,13 @@ def filtered_edits():
     return [(sig, sig.replace("slice_lo):", "slice_lo, marks):")),
             (reset, reset + mark(8, "1")),
             (guessed, guessed + mark(8, "2")),
-            (start, start + "        appends = 0\n        compactions = 0\n"
-             "        slow_tiles = 0\n"),
-            (scan, "            appends += 1\n" + scan),
-            (room, room + "                compactions += 1\n"),
-            (slow, "            slow_tiles += 1\n" + slow),
+            (start, start + counters),
+            (tile_sig, tile_sig.replace("floor_b):", "floor_b, counters):")),
+            (call_1, call_1.replace("floor_b)", "floor_b, counters)")),
+            (call_2, call_2.replace("floor_b)", "floor_b, counters)")),
+            (scan, count(8, 0) + scan),
+            (room, room + count(12, 1)),
+            (slow, count(8, 2) + slow),
             (loop_end, warp_marks + loop_end),
             (lse_done, mark(8, "3") + lse_done),
             (level, level + "                if tid == 0:\n"

@@ -273,7 +273,7 @@ def test_finish_writes_the_mask_in_words_from_any_alignment(variant, head, budge
     assert (around[:head] == 0xAB).all() and (around[head + bs * N * N:] == 0xAB).all()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 31, 32])
+@pytest.mark.parametrize("rows", [1, 3, 32])
 @pytest.mark.parametrize("head,budget", [(0, 0), (3, 1), (0, 6), (5, 40), (1, 70)])
 def test_finish_at_any_rows_per_block(rows, head, budget):
     """The finish kernel's grid takes ``rows_per_block`` rows a block (``finish_rows`` picks

@@ -198,25 +198,34 @@ def filtered_case(case, rng):
     return x, k, parts
 
 
+FILTERED_CASES = ["random", "k_max", "rising", "ties_fall_back", "few_ties", "neg_inf",
+                  "signed_zeros", "k1", "split", "wide_span", "guess_rising", "guess_short"]
+# with two tiles in flight a warp: the cases that overflow, compact or split (CI's time;
+# test_filtered_two_tiles_ahead_filters_every_tile_once checks every tile is filtered once)
+TWO_AHEAD_CASES = ["ties_fall_back", "neg_inf", "guess_rising", "split"]
+
+
 @pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated warp intrinsics")
-@pytest.mark.parametrize("guess", [True, False], ids=["guess", "no_guess"])
-@pytest.mark.parametrize("case", ["random", "k_max", "rising", "ties_fall_back", "few_ties",
-                                  "neg_inf", "signed_zeros", "k1", "split", "wide_span",
-                                  "guess_rising", "guess_short"])
-def test_filtered_kernel_on_emulated_warp_intrinsics(monkeypatch, case, guess):
+@pytest.mark.parametrize("case,guess,ahead", [
+    *(pytest.param(case, guess, 1, id=f"{case}-{'guess' if guess else 'no_guess'}")
+      for case in FILTERED_CASES for guess in (True, False)),
+    *(pytest.param(case, True, 2, id=f"{case}-guess-two_ahead") for case in TWO_AHEAD_CASES)])
+def test_filtered_kernel_on_emulated_warp_intrinsics(monkeypatch, case, guess, ahead):
     """The one-pass kernel (ballots, shuffles) through the emulated warp intrinsics: ids
     exact, log-probs within the bound, through compactions, the block's floor, the guessed
     floor (trusted, raised by compactions, or reached by too few logits) and the two-pass
     fallback where ties fill a warp or crowd the final sort. Without the guess, the small
-    rows' warps compact (with it, most of them fall back instead)."""
+    rows' warps compact (with it, most of them fall back instead). ``two_ahead``: the loop
+    with two tiles in flight a warp (bfloat16's on a GPU; the simulator widens bfloat16 to
+    float32, so it is float32's here), where a warp's slice may end after either call."""
     from simulated_warp import emulated_shuffles, take_gpu_variant
 
     import ddtree_numba.kernels.draft_topk_filtered as filtered
 
     take_gpu_variant(monkeypatch, "ddtree_numba.kernels.draft_topk")
-    if not guess:
-        made = filtered.filtered_kernels
-        monkeypatch.setattr(filtered, "filtered_kernels", lambda bf16: made(bf16, guess=False))
+    made = filtered.filtered_kernels
+    monkeypatch.setattr(filtered, "filtered_kernels",
+                        lambda bf16: made(bf16, guess=guess, ahead_tiles=ahead))
     x, k, parts = filtered_case(case, np.random.default_rng(zlib.crc32(case.encode())))
     with emulated_shuffles():
         check_kernel(x, k, parts, variant="filtered")
@@ -272,6 +281,44 @@ def test_filtered_end_select_refines_a_crowded_bin_itself(monkeypatch):
 
 
 @pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated warp intrinsics")
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bfloat16"])
+def test_filtered_two_tiles_ahead_filters_every_tile_once(monkeypatch, bf16):
+    """Two tiles in flight a warp (bfloat16's default; ``filter_tile`` called twice an
+    iteration, each call reloading its own buffer two tiles on): every tile of a warp is
+    filtered once, in order. Rows whose two warps take 0 to 7 tiles (odd and even counts, a
+    row that ends inside a tile; compactions in either call) give the reference's ids and the
+    very bits of the log-probs of the loop with one tile in flight. Without the guess (whose
+    sample falls short on rows this small) and with the two-pass fall-back replaced by one
+    that writes nothing: it is exact, and a tile skipped or read twice sends a block there."""
+    from simulated_warp import emulated_shuffles
+
+    import ddtree_numba.kernels.draft_topk_filtered as filtered
+
+    @cuda.jit(device=True)
+    def no_fallback(row, lo, hi, k, tid, T, cand, hist, scratch, result, red_u, red_f,
+                    n_cand):
+        return filtered.NEG_INF, np.float32(0.0), 0
+
+    monkeypatch.setattr(filtered, "_select_top", lambda bf16: (None, no_fallback))
+    k, T = 16, filtered.FILTER_THREADS
+    rng = np.random.default_rng(21)
+    for V in (128, 384, 900, 1792):         # tiles of 128 logits: 1, 3, 7 (+4 logits), 14
+        x = (rng.standard_normal((2, 1, V)) * 3).astype(bfloat16 if bf16 else np.float32)
+        x[1, 0, : V // 2] = np.sort(x[1, 0, : V // 2])  # a rising half: compactions
+        bits = x.reshape(2, V).view(np.uint16 if bf16 else np.uint32)
+        got = []
+        for ahead in (1, 2):
+            whole_row, _ = filtered._make_filtered_kernels(bf16, guess=False, ahead_tiles=ahead)
+            lp, ids = np.zeros((2, k), np.float32), np.zeros((2, k), np.int32)
+            with emulated_shuffles():
+                whole_row[2, T](bits.view(np.uint64), bits, k, lp, ids)
+            got.append((lp, ids))
+        np.testing.assert_array_equal(got[1][1], ref.draft_topk(x, k)[1][:, 0], err_msg=f"{V}")
+        np.testing.assert_array_equal(got[1][1], got[0][1])
+        np.testing.assert_array_equal(got[1][0].view(np.uint32), got[0][0].view(np.uint32))
+
+
+@pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated warp intrinsics")
 def test_filtered_bfloat16_kernel_on_emulated_warp_intrinsics():
     """The bfloat16 one-pass kernel itself (``draft_topk`` widens bfloat16 to float32 on the
     simulator, so it is launched here by hand on the bits): four logits a word, half the loads
@@ -286,11 +333,18 @@ def test_filtered_bfloat16_kernel_on_emulated_warp_intrinsics():
     k = 40
     bits = x.reshape(2, 1024).view(np.uint16)
     lp, ids = np.zeros((2, k), np.float32), np.zeros((2, k), np.int32)
-    whole_row, _ = filtered_kernels(True)
+    whole_row, _ = filtered_kernels(True)               # two tiles in flight a warp
     with emulated_shuffles():
         whole_row[2, FILTER_THREADS](bits.view(np.uint64), bits, k, lp, ids)
     want_lp, want_ids = ref.draft_topk(x, k)
     np.testing.assert_array_equal(ids, want_ids[:, 0])
+    # one tile in flight: a warp filters the same tiles in the same order, so the same bits
+    lp1, ids1 = np.zeros((2, k), np.float32), np.zeros((2, k), np.int32)
+    one_ahead, _ = filtered_kernels(True, ahead_tiles=1)
+    with emulated_shuffles():
+        one_ahead[2, FILTER_THREADS](bits.view(np.uint64), bits, k, lp1, ids1)
+    np.testing.assert_array_equal(ids1, ids)
+    np.testing.assert_array_equal(lp1.view(np.uint32), lp.view(np.uint32))
     x32 = x.astype(np.float32)
     for b in range(2):
         bound, _ = error_bound(x32[b, 0], want_lp[b, 0], 1024, FILTER_THREADS,

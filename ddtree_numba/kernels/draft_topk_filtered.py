@@ -33,7 +33,15 @@ loads words ``tile + u * 32 + l`` for ``u < LOADS`` (a 256-byte coalesced row ac
 for each ``u``; ``LOADS`` is ``WORDS`` for float32 and ``WORDS / 2`` for bfloat16: ``2 * WORDS``
 logits a lane either way). The loads of a warp's next tile are issued before its current tile
 is used (``ahead``, then copied to ``word``): ``LOADS`` 8-byte loads stay in flight a lane while it
-computes, so DRAM latency overlaps the work. Each lane marks the logits at or above the filter
+computes, so DRAM latency overlaps the work. A bfloat16 tile is half a float32 tile's bytes for
+the same work, and on the H200 its loop took as long as float32's (one tile in flight a warp:
+half the bytes in flight), so bfloat16 keeps *two* tiles in flight (``AHEAD_TILES``): the loop
+filters two tiles an iteration, the first from ``ahead``, the second from ``ahead2``, and each
+call reloads its own buffer with the tile two further on, so a load has two tiles' work to
+arrive in. (Two calls of ``filter_tile``, not a loop over a pair of buffers: a buffer index that
+is not a constant put them in local memory. Rotating the buffers by copies cannot work: a copy
+of a register waits for its load. Float32 with two tiles in flight spills 8 bytes on sm_90 at
+the 128-register bound.) Each lane marks the logits at or above the filter
 in a bit mask ``passing``. If no lane has one (``ballot``: the case the filter is for; at bs 64,
 V 163 840, K 256 on the H200 every tile still had one before the guessed floor below,
 ``benchmarks/NOTES.md``) the tile costs its loads, its max and its ``exp``; and where no lane's
@@ -166,6 +174,7 @@ WARP_BINS = 256                             # a compaction's histogram, per warp
 BLOCKS_PER_SM = 2                           # blocks an SM runs at once: <= 128 registers
 COUNTS = WARPS + 1                          # held per warp, and the overflow flag
 GUESS_MAX_RANK = 8                          # the guessed floor's rank in a warp, at most
+AHEAD_TILES = {False: 1, True: 2}           # a warp's tiles in flight: float32, bfloat16
 SCAN_SCRATCH = block_scan_scratch(FILTER_THREADS)
 assert WARPS * WARP_CAP <= SORT_CAP and WARPS * WARP_BINS <= BINS
 
@@ -283,10 +292,18 @@ def _compact_and_share(buf, base, n, floor, need, hist, hbase, lane, lanes_below
     return n, floor, _cut_of(max(floor, floor_b[0]))
 
 
-def _make_filtered_kernels(bf16: bool, guess: bool = True):
+def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | None = None):
     """``(whole_row_kernel, part_kernel)`` of the one-pass select, float32 or bfloat16;
-    ``guess=False`` leaves out the guessed floor (the held sets' own floors only)."""
+    ``guess=False`` leaves out the guessed floor (the held sets' own floors only);
+    ``ahead_tiles`` (1 or 2; ``AHEAD_TILES[bf16]`` by default): a warp's tiles in flight while
+    it filters one (2: the loop filters two tiles an iteration, each from its own buffer of
+    registers). The results do not depend on it: a warp filters the same tiles in order."""
+    if ahead_tiles is None:
+        ahead_tiles = AHEAD_TILES[bf16]
+    if ahead_tiles not in (1, 2):
+        raise ValueError(f"ahead_tiles: expected 1 or 2, got {ahead_tiles!r}")
     per_word = 4 if bf16 else 2             # logits in an 8-byte word
+    AHEAD = ahead_tiles                     # a warp's tiles in flight
     WORD_SHIFT = 2 if bf16 else 1           # log2(per_word)
     # 8-byte loads a lane a tile: 2 * WORDS logits for either type (bfloat16 with 4 * WORDS
     # would hold 32 logits a lane in registers twice over and spill on sm_90)
@@ -358,6 +375,113 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
             cuda.atomic.min(floor_b, 1, top_t)
 
     @cuda.jit(device=True, inline=True)
+    def filter_tile(words, ahead, word, tile, whi, lane, lane64, stride, m, s, n, floor, kk,
+                    buf, base, hist, hbase, lanes_below, floor_b):
+        """Warp-collective: filter the warp's tile at ``tile``, whose words ``ahead`` holds
+        (loaded ``AHEAD`` tiles before), and reload ``ahead`` with the tile ``AHEAD`` further
+        on. Returns ``(m, s, n, floor, overflow)``: the lane's running max and sum of
+        ``exp(x - m)``, the warp's held count and floor, and whether ties at the floor filled
+        the held set (then the block falls back). ``word`` is scratch for the tile."""
+        overflow = False
+        for u in range(LOADS):
+            word[u] = ahead[u]
+        left = int32(whi - tile) - int32(lane)
+        left_ahead = int32(left - AHEAD * stride)
+        # issue the loads of the tile AHEAD further into the buffer just read, before using
+        # this one (a word past whi reads as -inf and is never loaded), so that DRAM latency
+        # overlaps the work below (and, with AHEAD 2, the next tile's work too)
+        for u in range(LOADS):
+            ahead[u] = (words[uint64(tile + AHEAD * stride) + lane64 + uint64(u * 32)]
+                        if int32(u * 32) < left_ahead else neg_inf_word)
+        # online log-sum-exp (a missing word reads as -inf: no term, no max); the terms
+        # as exp2((x - m) log2 e): one multiply and one MUFU.EX2, flushing results below
+        # 2**-126 to 0 (see the precision note)
+        tile_max = NEG_INF
+        for u in range(LOADS):
+            for j in range(per_word):
+                tile_max = max(tile_max, bits_to_float(value_bits(word[u], j)))
+        if tile_max > m:
+            if m > NEG_INF:
+                s *= math.exp(m - tile_max)
+            m = tile_max
+        if m > NEG_INF:
+            for u in range(LOADS):
+                for j in range(per_word):
+                    s += exp2_ftz((bits_to_float(value_bits(word[u], j)) - m) * LOG2E)
+        # the filter: keys >= max(own floor, the block's)
+        cut = _cut_of(max(floor, floor_b[0]))
+        # first the cheap exit: no lane's tile max reaches the cut (nor has a lane met a
+        # NaN, which the max skips and the filter holds: then s is NaN, or m is still
+        # -inf), so no logit of the tile passes: skip the per-logit compares. (A lane
+        # that has seen only -inf, e.g. past the slice's end, takes the compares too:
+        # time, not a wrong result)
+        reach = not tile_max < cut or not s == s or not m > NEG_INF
+        if cuda.ballot_sync(FULL_MASK, reach) == 0:
+            return m, s, n, floor, False    # (uniform: the whole warp skips)
+        passing = pass_mask(word, left, cut)
+        mine = cuda.popc(passing)
+        if cuda.ballot_sync(FULL_MASK, mine > 0) == 0:
+            return m, s, n, floor, False    # (uniform: the whole warp skips)
+        end = warp_inclusive_scan(int32(mine), lane)
+        arriving = cuda.shfl_sync(FULL_MASK, end, 31)
+        if n + arriving > WARP_CAP and n > kk:
+            # make room first: compact (raising the floor), then filter the tile again
+            n, floor, cut = _compact_and_share(buf, base, n, floor, kk, hist, hbase, lane,
+                                               lanes_below, floor_b)
+            passing = pass_mask(word, left, cut)
+            mine = cuda.popc(passing)
+            end = warp_inclusive_scan(int32(mine), lane)
+            arriving = cuda.shfl_sync(FULL_MASK, end, 31)
+        if n + arriving <= WARP_CAP:
+            # fast append: lane l writes its passing logits at n + (those of the lanes
+            # below l), lowest bit first. The word is picked from the registers by a
+            # chain of selects (indexing `word` at run time would put it in local memory;
+            # reading it again from global memory waits on a load each logit)
+            at = base + n + end - mine
+            first_id = (tile + lane) * per_word     # the id of the lane's first logit
+            pending = passing
+            while pending != 0:
+                q = cuda.ffs(pending) - 1       # the lowest passing position
+                pending = uint32(pending & (pending - uint32(1)))   # (32 bits)
+                u = shr_u32(q, WORD_SHIFT)      # q = u * per_word + j
+                j = q & (per_word - 1)
+                picked = word[0]
+                for w in range(1, LOADS):
+                    if u == w:
+                        picked = word[w]
+                v = first_id + u * (32 * per_word) + j     # the logit's id in the row
+                buf[at] = ((uint64(orderable_key(value_bits(picked, j))) << uint64(32))
+                           | uint64(0xFFFFFFFF - v))
+                at += 1
+            n += arriving
+            return m, s, n, floor, False
+        # slow append (the set would overflow): one value position q (word q // per_word
+        # of the lane, logit q % per_word of it) at a time, compacting when the next
+        # position would not fit. A loop the compiler keeps rolled: one copy of the
+        # compaction, and the word read again (an L1 hit) rather than indexing `word` at
+        # run time, which would put it in local memory.
+        for q in range(LOADS * per_word):
+            i = tile + (q // per_word) * 32 + lane
+            valid = i < whi
+            x_bits = value_bits(words[i] if valid else neg_inf_word, q % per_word)
+            take = valid and not bits_to_float(x_bits) < cut
+            mask = cuda.ballot_sync(FULL_MASK, take)
+            if n + cuda.popc(mask) > WARP_CAP:
+                n, floor, cut = _compact_and_share(buf, base, n, floor, kk, hist, hbase,
+                                                   lane, lanes_below, floor_b)
+                take = valid and not bits_to_float(x_bits) < cut
+                mask = cuda.ballot_sync(FULL_MASK, take)
+                if n + cuda.popc(mask) > WARP_CAP:  # ties at the floor fill the set
+                    overflow = True
+                    break
+            if take:
+                v = i * per_word + q % per_word     # the logit's id in the row
+                buf[base + n + cuda.popc(mask & lanes_below)] = (
+                    (uint64(orderable_key(x_bits)) << uint64(32)) | uint64(0xFFFFFFFF - v))
+            n += cuda.popc(mask)
+        return m, s, n, floor, overflow    # overflow: the block falls back below
+
+    @cuda.jit(device=True, inline=True)
     def filter_select(words, bits, wlo, whi, k, tid, buf, top, hist, scratch, result, red_u,
                       red_f, n_cand, counts, tops, floor_b, slice_lo):
         """All threads call it; afterwards ``top[0:kk]`` holds the ``kk = min(k, logits)``
@@ -384,6 +508,7 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
         overflow = False
         word = cuda.local.array(LOADS, uint64)     # the tile being filtered
         ahead = cuda.local.array(LOADS, uint64)    # the warp's next tile, in flight meanwhile
+        ahead2 = cuda.local.array(LOADS, uint64)   # (AHEAD 2) the tile after it
         stride = WARPS * 32 * LOADS                 # words between a warp's tiles
         # Loads index with uint64: numba adds a negative-index wrap to every signed index.
         # Lane `lane`'s word u of the tile at `tile` is words[tile + u * 32 + lane] (bytes
@@ -395,9 +520,12 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
         lane64 = uint64(lane)
         tile = wlo + warp * 32 * LOADS
         left = int32(whi - tile) - int32(lane)
-        for u in range(LOADS):                      # the first tile's loads
+        for u in range(LOADS):                      # the first tiles' loads
             ahead[u] = (words[uint64(tile) + lane64 + uint64(u * 32)]
                         if int32(u * 32) < left else neg_inf_word)
+            if AHEAD == 2:
+                ahead2[u] = (words[uint64(tile + stride) + lane64 + uint64(u * 32)]
+                             if int32(u * 32) < int32(left - stride) else neg_inf_word)
         # the guessed floor, while the first tile is on its way: a floor that is likely
         # valid, checked at the end (fewer than kk held logits: the fallback)
         if r > 0:
@@ -405,107 +533,19 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
         cuda.syncthreads()                  # every warp's guess in floor_b[1]
         floor = floor_b[1]                  # every held key >= floor (0: none yet)
         while tile < whi:
-            for u in range(LOADS):
-                word[u] = ahead[u]
-            left = int32(whi - tile) - int32(lane)
-            left_ahead = int32(left - stride)
-            # issue the next tile's loads before using this one (a word past whi reads as
-            # -inf and is never loaded), so that DRAM latency overlaps the work below
-            for u in range(LOADS):
-                ahead[u] = (words[uint64(tile + stride) + lane64 + uint64(u * 32)]
-                            if int32(u * 32) < left_ahead else neg_inf_word)
-            # online log-sum-exp (a missing word reads as -inf: no term, no max); the terms
-            # as exp2((x - m) log2 e): one multiply and one MUFU.EX2, flushing results below
-            # 2**-126 to 0 (see the precision note)
-            tile_max = NEG_INF
-            for u in range(LOADS):
-                for j in range(per_word):
-                    tile_max = max(tile_max, bits_to_float(value_bits(word[u], j)))
-            if tile_max > m:
-                if m > NEG_INF:
-                    s *= math.exp(m - tile_max)
-                m = tile_max
-            if m > NEG_INF:
-                for u in range(LOADS):
-                    for j in range(per_word):
-                        s += exp2_ftz((bits_to_float(value_bits(word[u], j)) - m) * LOG2E)
-            # the filter: keys >= max(own floor, the block's)
-            cut = _cut_of(max(floor, floor_b[0]))
-            # first the cheap exit: no lane's tile max reaches the cut (nor has a lane met a
-            # NaN, which the max skips and the filter holds: then s is NaN, or m is still
-            # -inf), so no logit of the tile passes: skip the per-logit compares. (A lane
-            # that has seen only -inf, e.g. past the slice's end, takes the compares too:
-            # time, not a wrong result)
-            reach = not tile_max < cut or not s == s or not m > NEG_INF
-            if cuda.ballot_sync(FULL_MASK, reach) == 0:
-                tile += stride              # (uniform: the whole warp skips)
-                continue
-            passing = pass_mask(word, left, cut)
-            mine = cuda.popc(passing)
-            if cuda.ballot_sync(FULL_MASK, mine > 0) == 0:
-                tile += stride              # (uniform: the whole warp skips)
-                continue
-            end = warp_inclusive_scan(int32(mine), lane)
-            arriving = cuda.shfl_sync(FULL_MASK, end, 31)
-            if n + arriving > WARP_CAP and n > kk:
-                # make room first: compact (raising the floor), then filter the tile again
-                n, floor, cut = _compact_and_share(buf, base, n, floor, kk, hist, hbase, lane,
-                                                   lanes_below, floor_b)
-                passing = pass_mask(word, left, cut)
-                mine = cuda.popc(passing)
-                end = warp_inclusive_scan(int32(mine), lane)
-                arriving = cuda.shfl_sync(FULL_MASK, end, 31)
-            if n + arriving <= WARP_CAP:
-                # fast append: lane l writes its passing logits at n + (those of the lanes
-                # below l), lowest bit first. The word is picked from the registers by a
-                # chain of selects (indexing `word` at run time would put it in local memory;
-                # reading it again from global memory waits on a load each logit)
-                at = base + n + end - mine
-                first_id = (tile + lane) * per_word     # the id of the lane's first logit
-                pending = passing
-                while pending != 0:
-                    q = cuda.ffs(pending) - 1       # the lowest passing position
-                    pending = uint32(pending & (pending - uint32(1)))   # (32 bits)
-                    u = shr_u32(q, WORD_SHIFT)      # q = u * per_word + j
-                    j = q & (per_word - 1)
-                    picked = word[0]
-                    for w in range(1, LOADS):
-                        if u == w:
-                            picked = word[w]
-                    v = first_id + u * (32 * per_word) + j     # the logit's id in the row
-                    buf[at] = ((uint64(orderable_key(value_bits(picked, j))) << uint64(32))
-                               | uint64(0xFFFFFFFF - v))
-                    at += 1
-                n += arriving
-                tile += stride
-                continue
-            # slow append (the set would overflow): one value position q (word q // per_word
-            # of the lane, logit q % per_word of it) at a time, compacting when the next
-            # position would not fit. A loop the compiler keeps rolled: one copy of the
-            # compaction, and the word read again (an L1 hit) rather than indexing `word` at
-            # run time, which would put it in local memory.
-            for q in range(LOADS * per_word):
-                i = tile + (q // per_word) * 32 + lane
-                valid = i < whi
-                x_bits = value_bits(words[i] if valid else neg_inf_word, q % per_word)
-                take = valid and not bits_to_float(x_bits) < cut
-                mask = cuda.ballot_sync(FULL_MASK, take)
-                if n + cuda.popc(mask) > WARP_CAP:
-                    n, floor, cut = _compact_and_share(buf, base, n, floor, kk, hist, hbase,
-                                                       lane, lanes_below, floor_b)
-                    take = valid and not bits_to_float(x_bits) < cut
-                    mask = cuda.ballot_sync(FULL_MASK, take)
-                    if n + cuda.popc(mask) > WARP_CAP:  # ties at the floor fill the set
-                        overflow = True
-                        break
-                if take:
-                    v = i * per_word + q % per_word     # the logit's id in the row
-                    buf[base + n + cuda.popc(mask & lanes_below)] = (
-                        (uint64(orderable_key(x_bits)) << uint64(32)) | uint64(0xFFFFFFFF - v))
-                n += cuda.popc(mask)
-            if overflow:
-                break                       # the block falls back below
+            # one tile from each buffer in turn (two calls, not a loop over the buffers: an
+            # index that is not a constant would put the buffers in local memory)
+            m, s, n, floor, overflow = filter_tile(words, ahead, word, tile, whi, lane, lane64,
+                                                   stride, m, s, n, floor, kk, buf, base,
+                                                   hist, hbase, lanes_below, floor_b)
             tile += stride
+            if AHEAD == 2 and not overflow and tile < whi:
+                m, s, n, floor, overflow = filter_tile(words, ahead2, word, tile, whi, lane,
+                                                       lane64, stride, m, s, n, floor, kk, buf,
+                                                       base, hist, hbase, lanes_below, floor_b)
+                tile += stride
+            if overflow:
+                break
         # the warp's largest held key: the top of the end's first histogram (read here, by
         # the warp itself, while other warps may still be streaming)
         held_top = _held_top(buf, base, n, lane)
@@ -660,6 +700,6 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True):
     return whole_row_kernel, part_kernel
 
 
-#: ``filtered_kernels(bf16, guess=True)``: the two kernels for float32 or bfloat16 logits,
-#: made once.
+#: ``filtered_kernels(bf16, guess=True, ahead_tiles=None)``: the two kernels for float32 or
+#: bfloat16 logits, made once.
 filtered_kernels = functools.cache(_make_filtered_kernels)
