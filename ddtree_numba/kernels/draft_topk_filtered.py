@@ -41,11 +41,12 @@ call reloads its own buffer with the tile two further on, so a load has two tile
 arrive in. (Two calls of ``filter_tile``, not a loop over a pair of buffers: a buffer index that
 is not a constant put them in local memory. Rotating the buffers by copies cannot work: a copy
 of a register waits for its load. Float32 with two tiles in flight spills 8 bytes on sm_90 at
-the 128-register bound.) Each lane marks the logits at or above the filter
-in a bit mask ``passing``. If no lane has one (``ballot``: the case the filter is for; at bs 64,
-V 163 840, K 256 on the H200 every tile still had one before the guessed floor below,
-``benchmarks/NOTES.md``) the tile costs its loads, its max and its ``exp``; and where no lane's
-tile max reaches the cut (one ``ballot`` before the per-logit compares) not even the mask.
+the 128-register bound, and so does bfloat16's row-slices kernel: both keep one.) Each lane
+marks the logits at or above the filter in a bit mask ``passing``. If no lane has one
+(``ballot``: the case the filter is for; at bs 64, V 163 840, K 256 on the H200 every tile
+still had one before the guessed floor below, ``benchmarks/NOTES.md``) the tile costs its
+loads, its max and its ``exp``; and where no lane's tile max reaches the cut (one ``ballot``
+before the per-logit compares) not even the mask.
 Otherwise a warp scan of the lanes' counts places them: when all fit the held set, lane ``l``
 writes its own at ``n +`` (those of the lanes below it), from registers (the *fast append*).
 When they would not fit, the tile is appended one value position at a time, a ``ballot`` of who
@@ -295,9 +296,10 @@ def _compact_and_share(buf, base, n, floor, need, hist, hbase, lane, lanes_below
 def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | None = None):
     """``(whole_row_kernel, part_kernel)`` of the one-pass select, float32 or bfloat16;
     ``guess=False`` leaves out the guessed floor (the held sets' own floors only);
-    ``ahead_tiles`` (1 or 2; ``AHEAD_TILES[bf16]`` by default): a warp's tiles in flight while
-    it filters one (2: the loop filters two tiles an iteration, each from its own buffer of
-    registers). The results do not depend on it: a warp filters the same tiles in order."""
+    ``ahead_tiles`` (1 or 2; ``AHEAD_TILES[bf16]`` by default; see ``filtered_kernels``): a
+    warp's tiles in flight while it filters one (2: the loop filters two tiles an iteration,
+    each from its own buffer of registers). The results do not depend on it: a warp filters the
+    same tiles in order."""
     if ahead_tiles is None:
         ahead_tiles = AHEAD_TILES[bf16]
     if ahead_tiles not in (1, 2):
@@ -700,6 +702,13 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | No
     return whole_row_kernel, part_kernel
 
 
-#: ``filtered_kernels(bf16, guess=True, ahead_tiles=None)``: the two kernels for float32 or
-#: bfloat16 logits, made once.
-filtered_kernels = functools.cache(_make_filtered_kernels)
+@functools.cache
+def filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | None = None):
+    """``(whole_row_kernel, part_kernel)`` for float32 or bfloat16 logits, made once. By
+    default whole rows keep ``AHEAD_TILES[bf16]`` tiles in flight a warp and row slices one:
+    the bfloat16 row-slices kernel with two spills 8 bytes on sm_90 (128 registers). An
+    explicit ``ahead_tiles`` is taken by both."""
+    whole_row, part_kernel = _make_filtered_kernels(bf16, guess, ahead_tiles)
+    if ahead_tiles is None:
+        _, part_kernel = _make_filtered_kernels(bf16, guess, 1)   # (compiled when launched)
+    return whole_row, part_kernel
