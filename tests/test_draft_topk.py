@@ -51,7 +51,7 @@ def error_bound(x_row, lp_ref, V, threads, parts=1, rescale=0.0, tile=0, exp2=Fa
 def check_kernel(x, k, parts=None, variant=None):
     from ddtree_numba.kernels.draft_topk import TOPK_THREADS, default_variant, parts_per_row
     from ddtree_numba.kernels.draft_topk_filtered import FILTER_THREADS, WORDS
-    from ddtree_numba.kernels.draft_topk_resident import RESIDENT_THREADS
+    from ddtree_numba.kernels.draft_topk_resident import LOGITS_PER_THREAD, RESIDENT_THREADS
 
     if parts is None:
         parts = parts_per_row(x.shape[0] * x.shape[1], x.shape[2], k)
@@ -69,8 +69,10 @@ def check_kernel(x, k, parts=None, variant=None):
     filtered = variant == "filtered"
     threads = {"filtered": FILTER_THREADS, "resident": RESIDENT_THREADS}.get(variant,
                                                                              TOPK_THREADS)
-    # a rescale at most once a tile: 2 * WORDS logits a lane (float32 and bfloat16)
-    rescale = 1 / (2 * WORDS) if filtered else 0.0
+    # a rescale at most once a tile: 2 * WORDS logits a lane (float32 and bfloat16); the
+    # resident kernel rescales each thread's sum once
+    rescale = {"filtered": 1 / (2 * WORDS),
+               "resident": 1 / LOGITS_PER_THREAD}.get(variant, 0.0)
     tile = 2 * WORDS if filtered else 0
     for b in range(x.shape[0]):
         for d in range(x.shape[1]):

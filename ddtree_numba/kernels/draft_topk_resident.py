@@ -27,7 +27,9 @@ warps)::
        among its warp's 32 by reading them all from shared memory.) For a smooth row of
        24 576 logits about 2 % pass F (the smallest of all 512 thread maxima, the first
        floor, let about 15 % through)
-    2. s = sum of exp(x - m) over the slice (a block sum)
+    2. s = sum of exp(x - m) over the slice: each thread sums exp(x - m_t) over its own
+       logits (m_t its own max) right after its loads, before the block max's barrier, and
+       rescales its sum by exp(m_t - m) after it; then a block sum
     3. the keys >= F counted, a block scan of the counts, and, when they are at most
        CAND_CAP, written packed (key << 32 | ~id) to each thread's slots of the scan: no
        atomics. Else the edge is raised first: a 256-bin histogram of the keys in [F, M],
@@ -54,9 +56,10 @@ warp in shared memory), two for the floor, the gather's scan (three) and one aft
 two a histogram round plus the scan's three where a round runs, and the sort's (about 20 at
 512 candidates).
 
-Precision: the sum is float32 over ``LOGITS_PER_THREAD`` terms a thread and a block reduction
-(``log2 T`` more additions), so a part's ``s`` carries at most about ``(LOGITS_PER_THREAD +
-log2 T + 16)`` float32 epsilons; the merge adds its three a part. A term is ``exp2((x - m)
+Precision: the sum is float32 over ``LOGITS_PER_THREAD`` terms a thread, one rescale of it
+(a multiply by an ``ex2``: about three roundings) and a block reduction (``log2 T`` more
+additions), so a part's ``s`` carries at most about ``(LOGITS_PER_THREAD + 3 + log2 T + 16)``
+float32 epsilons; the merge adds its three a part. A term is ``exp2((x - m)
 log2 e)``, as in ``draft_topk_filtered`` (the hardware's ``ex2``, about ``2**-22`` relative,
 after one multiply): at most ``(2 + 1.2 ln V) 2**-23`` more relative error in the sum.
 
@@ -253,6 +256,16 @@ def _make_resident_kernels(bf16: bool):
                 key = orderable_key(float_bits(raw[u], j)) if held else uint32(0)
                 keys[u * per_word + j] = key
                 top_t = max(top_t, key)
+        # the thread's own sum of exp(x - m_t), m_t its largest logit, before any barrier:
+        # a warp whose loads came in early sums while the block waits for the rest (a -inf
+        # logit adds nothing; s_t = 0 where the thread holds no finite logit). Each term as
+        # exp2((x - m_t) log2 e): one multiply and the hardware's ex2 (precision above)
+        m_t = float_of_key(top_t)
+        s_t = float32(0.0)
+        if top_t > KEY_NEG_INF:
+            for i in range(LOGITS_PER_THREAD):
+                if keys[i] > KEY_NEG_INF:
+                    s_t += math.exp2((float_of_key(keys[i]) - m_t) * LOG2E)
 
         # 1. the block's max key M (-> the max logit m), and the floor F: warp w's j-th
         #    largest thread maximum f_w (j = ceil(kk / warps)) has j threads of warp w at or
@@ -263,14 +276,12 @@ def _make_resident_kernels(bf16: bool):
         floor = _warp_floor(top_t, kk, tid, cand)
         floor = max(floor, uint32(1))           # never the "none" key 0 (past the slice)
 
-        # 2. sum of exp(x - m) (a -inf logit adds nothing; m = -inf when all are), each term
-        #    as exp2((x - m) log2 e): one multiply and the hardware's ex2 (precision above);
-        #    its barriers also separate the floor's reads of cand from the gather's writes
+        # 2. sum of exp(x - m): each thread's s_t (above) rescaled to the block's max m by
+        #    exp(m_t - m), then a block sum (m = -inf when every logit is: no thread has a
+        #    term). Its barriers also separate the floor's reads of cand from the gather's
+        #    writes
         m = float_of_key(key_max)
-        s = float32(0.0)
-        for i in range(LOGITS_PER_THREAD):
-            if keys[i] > KEY_NEG_INF:
-                s += math.exp2((float_of_key(keys[i]) - m) * LOG2E)
+        s = s_t * math.exp2((m_t - m) * LOG2E) if s_t > float32(0.0) else s_t
         total = block_sum_f32(red_f, s, tid, T)
 
         # 3. the candidates: the keys >= F, most often few enough to gather at once; else
