@@ -274,20 +274,24 @@ def test_finish_writes_the_mask_in_words_from_any_alignment(variant, head, budge
 
 
 @pytest.mark.parametrize("rows", [1, 3, 32])
-@pytest.mark.parametrize("head,budget", [(0, 0), (3, 1), (0, 6), (5, 40), (1, 70)])
-def test_finish_at_any_rows_per_block(rows, head, budget):
+@pytest.mark.parametrize("head,budget,small", [(0, 0, False), (3, 1, False), (0, 6, False),
+                                               (5, 40, False), (1, 70, False), (3, 20, True)])
+def test_finish_at_any_rows_per_block(rows, head, budget, small):
     """The finish kernel's grid takes ``rows_per_block`` rows a block (``finish_rows`` picks
     it from the batch and the SMs): every choice, a power of two or not, one block a row up to
     the row bits' room, writes the same tree (tokens, positions, both masks) over outputs
     filled with garbage, and leaves the bytes around a mask that starts ``head`` bytes past an
-    aligned address untouched."""
+    aligned address untouched. ``small``: L 3, K 2 hold only 14 draft nodes, so the last rows
+    are padding (token and position -1, no bits)."""
     from numba import cuda
 
     kbt = importlib.import_module("ddtree_numba.kernels.build_tree")   # not the function
 
+    shape = {"L": 3, "K": 2} if small else {}
     lp, ids, roots, _, prefix = random_tree_inputs(np.random.default_rng(30 + budget), bs=2,
-                                                   budget=budget)
+                                                   budget=budget, **shape)
     want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
+    assert not small or (want.num_nodes < budget + 1).all()     # padding rows exist
     bs, N = lp.shape[0], budget + 1
     raw = cuda.to_device(np.full(bs * N * N + 8, 0xAB, np.uint8))
     mask = raw[head:head + bs * N * N].view(np.bool_).reshape(bs, N, N)
@@ -318,12 +322,14 @@ def test_finish_rows_fill_the_sms_and_refuse_a_bad_count():
     assert finish_rows(1, 1, 132) == 1 and finish_rows(1000, 2, 1) == FINISH_ROWS
     lp, ids, roots, budget, prefix = random_tree_inputs(np.random.default_rng(9), bs=1, budget=4)
     out = K.allocate_tree(1, budget + 1)
+    args = (K.as_device(ids), K.as_device(roots), K.as_device(prefix), True, out,
+            K.as_device(np.zeros((1, budget + 1), np.int32)))
     for bad in (0, FINISH_ROWS + 1):
         with pytest.raises(ValueError, match=rf"rows_per_block: expected 1 .. {FINISH_ROWS}, "
                                              rf"got {bad}"):
-            kbt.launch_finish(K.as_device(ids), K.as_device(roots), K.as_device(prefix), True,
-                              out, K.as_device(np.zeros((1, budget + 1), np.int32)),
-                              rows_per_block=bad)
+            kbt.launch_finish(*args, rows_per_block=bad)
+    with pytest.raises(TypeError):
+        kbt.launch_finish(*args, rows_per_block=2.5)
 
 
 def test_kernel_refuses_preallocated_buffers_it_would_write_past():

@@ -70,9 +70,10 @@ def check_kernel(x, k, parts=None, variant=None):
     threads = {"filtered": FILTER_THREADS, "resident": RESIDENT_THREADS}.get(variant,
                                                                              TOPK_THREADS)
     # a rescale at most once a tile: 2 * WORDS logits a lane (float32 and bfloat16); the
-    # resident kernel rescales each thread's sum once
-    rescale = {"filtered": 1 / (2 * WORDS),
-               "resident": 1 / LOGITS_PER_THREAD}.get(variant, 0.0)
+    # resident kernel rescales each thread's sum once (of at most LOGITS_PER_THREAD logits,
+    # fewer in a short slice: once per the logits a thread holds)
+    per_thread = min(LOGITS_PER_THREAD, max(1.0, x.shape[2] / (parts * RESIDENT_THREADS)))
+    rescale = {"filtered": 1 / (2 * WORDS), "resident": 1 / per_thread}.get(variant, 0.0)
     tile = 2 * WORDS if filtered else 0
     for b in range(x.shape[0]):
         for d in range(x.shape[1]):
@@ -549,6 +550,7 @@ def test_resident_bfloat16_kernel():
     so it is launched by hand on the bits): four logits a word; ids exact, log-probs within
     the bound."""
     from ddtree_numba.kernels.draft_topk_resident import (
+        LOGITS_PER_THREAD,
         RESIDENT_THREADS,
         SLICE_CAP,
         resident_kernels,
@@ -566,7 +568,8 @@ def test_resident_bfloat16_kernel():
     np.testing.assert_array_equal(ids, want_ids[:, 0])
     x32 = x.astype(np.float32)
     for b in range(2):
-        bound, _ = error_bound(x32[b, 0], want_lp[b, 0], V, RESIDENT_THREADS, exp2=True)
+        bound, _ = error_bound(x32[b, 0], want_lp[b, 0], V, RESIDENT_THREADS,
+                               rescale=1 / LOGITS_PER_THREAD, exp2=True)   # a thread's rescale
         assert (np.abs(lp[b] - want_lp[b, 0]) <= bound).all()
 
 

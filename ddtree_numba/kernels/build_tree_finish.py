@@ -37,6 +37,7 @@ mask's ~40 instructions a word alone, where this kernel spreads the rows over ma
 from __future__ import annotations
 
 import math
+import operator
 
 import numpy as np
 from numba import cuda, int32, int64, uint8, uint32, uint64
@@ -223,6 +224,8 @@ def _finish_kernel(top_token_ids, root_token_ids, prefix_lens, has_prefix, paren
     tid = cuda.threadIdx.x
     N = parents.shape[1]
     n = min(num_nodes[b], N)                        # (the select's count: <= N already)
+    # (FINISH_ROWS: the row bits' room; the launcher passes at most that, and a larger count
+    # would leave rows unwritten here, never write past `bits`)
     rows = min(rows_per_block, FINISH_ROWS, N - i0)
     parent_s = cuda.shared.array(MAX_NODES, int32)
     bits = cuda.shared.array(FINISH_WORDS, uint64)
@@ -301,7 +304,7 @@ def launch_finish(top_token_ids, root_token_ids, prefix, has_prefix, tree, ranks
         # made the build_tree tests half as slow again; every count is tested explicitly)
         rows = FINISH_ROWS if SIMULATOR else finish_rows(bs, N, sm_count())
     else:
-        rows = int(rows_per_block)
+        rows = operator.index(rows_per_block)   # (an int: TypeError for 2.5, not 2)
     if not 1 <= rows <= FINISH_ROWS:
         raise ValueError(f"rows_per_block: expected 1 .. {FINISH_ROWS}, got {rows}")
     grid = (math.ceil(N / rows), bs)

@@ -709,6 +709,6 @@ def filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | None = N
     the bfloat16 row-slices kernel with two spills 8 bytes on sm_90 (128 registers). An
     explicit ``ahead_tiles`` is taken by both."""
     whole_row, part_kernel = _make_filtered_kernels(bf16, guess, ahead_tiles)
-    if ahead_tiles is None:
+    if ahead_tiles is None and AHEAD_TILES[bf16] != 1:
         _, part_kernel = _make_filtered_kernels(bf16, guess, 1)   # (compiled when launched)
     return whole_row, part_kernel
