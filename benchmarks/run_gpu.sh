@@ -112,16 +112,16 @@ if [ "$what" = targets ]; then   # the DDTree stages' target tables, in one devi
         | tee "$OUT/bench_ddtree_part.log" | grep -v "^{" | tail -6
 fi
 if [ "$what" = ab ]; then   # a baseline tree's package, then this tree's, in one command
-    # Usage: AB_BASE=<tree> bash benchmarks/run_gpu.sh ab [draft_topk|accept_commit]
-    # draft_topk: the --targets rows at bs 64; accept_commit: bench_small_kernels'
-    # accept_commit table. The baseline is a copy of the package at an earlier commit, made
+    # Usage: AB_BASE=<tree> bash benchmarks/run_gpu.sh ab [draft_topk [BS]|accept_commit]
+    # draft_topk: the --targets rows at bs BS (64 by default: the one-pass kernel; 1: the
+    # resident one); accept_commit: bench_small_kernels' accept_commit table. The baseline is a copy of the package at an earlier commit, made
     # before the device run and carried to it:
     #   mkdir -p .ab/base && git archive <commit> ddtree_numba | tar -x -C .ab/base
     #   run(command="AB_BASE=.ab/base bash benchmarks/run_gpu.sh ab", carry=[".whl", ".ab"])
     # Both runs use this tree's benchmark scripts (the package's public calls are the same),
     # in one device command, so that the two tables come from the same machine and lease.
     case ${2:-draft_topk} in
-        draft_topk) args="--targets --draft-topk-only --bs 64" ;;
+        draft_topk) args="--targets --draft-topk-only --bs ${3:-64}" ;;
         accept_commit) args="--accept-commit-only" ;;
         *) echo "run_gpu.sh ab: expected draft_topk or accept_commit, got $2" >&2; exit 2 ;;
     esac
