@@ -25,9 +25,14 @@ Three kernels:
   radix select); ``300 + d`` the compaction after it; ``400 + d`` the expansion; ``500 + d``
   the next row stored; ``600 + i`` the i-th final sort; ``700`` the node table; ``800`` the
   links.
+* ``build_tree``'s finish kernel, on the threshold select's trees of those inputs (bs 1 at
+  budgets 64, 256 and 1 024; bs 64 at 256 and 1 024), at the rows a block that
+  ``finish_rows`` picks and at ``FINISH_ROWS``: the launch's span (``%globaltimer``, first
+  block's start to last block's end), when the blocks started, and each phase of a block
+  (the parents staged, the walks, the writes).
 
-``python phase_clock.py [resident] [filtered] [threshold]`` runs the reports named (all three
-by default). Kernels are launched back to back, without an L2 flush and outside a graph.
+``python phase_clock.py [resident] [filtered] [threshold] [finish]`` runs the reports named
+(all four by default). Kernels are launched back to back, without an L2 flush and outside a graph.
 Compare phases with each other, not the totals with the benchmarks. Each mark adds a few
 instructions to thread 0. The anchors are lines of the kernels' source: if one has changed,
 the script stops and names it. Writes ``$OUT/phase_clock.txt``.
@@ -45,6 +50,7 @@ import numpy as np
 from harness import Bench  # noqa: F401  (sets NUMBA_CUDA_ARRAY_INTERFACE_SYNC before numba)
 from numba import cuda
 
+import ddtree_numba.kernels.build_tree_finish as finish_module
 import ddtree_numba.kernels.build_tree_threshold as threshold_module
 import ddtree_numba.kernels.draft_topk_filtered as filtered_module
 import ddtree_numba.kernels.draft_topk_resident as resident_module
@@ -81,7 +87,8 @@ def instrument(module, edits):
     copy.__dict__["CLOCK_SOURCE"] = CLOCK_SOURCE
     exec(compile(source.replace("\nTHREADS = ", PRELUDE + "\nTHREADS = ", 1)
                  .replace("\nRESIDENT_THREADS = ", PRELUDE + "\nRESIDENT_THREADS = ", 1)
-                 .replace("\nFILTER_THREADS = ", PRELUDE + "\nFILTER_THREADS = ", 1),
+                 .replace("\nFILTER_THREADS = ", PRELUDE + "\nFILTER_THREADS = ", 1)
+                 .replace("\nFINISH_ROWS = ", PRELUDE + "\nFINISH_ROWS = ", 1),
                  f"<{copy.__name__}>", "exec"), copy.__dict__)
     return copy
 
@@ -423,6 +430,76 @@ def threshold_report(write):
                   f"(clock {ghz:.2f} GHz); phase code: us\n  {steps}")
 
 
+# ---------------------------------------------------------------- build_tree, finish kernel
+FINISH_PHASES = ["start", "parents staged", "rows walked", "rows written"]
+
+
+def finish_edits():
+    """Marks ``marks[b, block, :]``: 0 the start (``%globaltimer``), 1-4 the SM's clock at
+    the start and after each of the kernel's barriers (one added after the writes, so that
+    the last mark waits for the block's slowest warp), 5 the end (``%globaltimer``)."""
+    def at(indent, slot, fn="clock"):
+        pad = " " * indent
+        return f"{pad}if tid == 0:\n{pad}    marks[b, cuda.blockIdx.x, {slot}] = {fn}()\n"
+
+    barrier = "    cuda.syncthreads()" + " " * 30      # (the comments' column)
+    staged = barrier + "# parent_s complete before the walks\n"
+    walked = barrier + "# every row's words complete\n"
+    written = "        positions[b, i0 + tid] = position\n"
+    return [("mask_bytes, mask_words, head):", "mask_bytes, mask_words, head, marks):"),
+            ("    tid = cuda.threadIdx.x\n",
+             "    tid = cuda.threadIdx.x\n" + at(4, 0, "ns") + at(4, 1)),
+            (staged, staged + at(4, 2)), (walked, walked + at(4, 3)),
+            (written, written + "    cuda.syncthreads()\n" + at(4, 4) + at(4, 5, "ns"))]
+
+
+def finish_report(write):
+    import cupy as cp
+
+    marked = instrument(finish_module, finish_edits())
+    rng = np.random.default_rng(0)
+    L = 15
+    sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    for bs, budget in ((1, 64), (1, 256), (1, 1024), (64, 256), (64, 1024)):
+        Kk = min(budget, 1024)
+        x = (rng.standard_normal((bs, L, Kk + 16)) * 3).astype(np.float32)
+        lp, ids = ref.draft_topk(x, Kk)
+        d_lp = K.as_device(cp.asarray(lp))
+        d_ids = K.as_device(cp.asarray(ids.astype(np.int32)))
+        roots = K.as_device(cp.arange(bs, dtype=cp.int32))
+        prefix = K.as_device(cp.full(bs, 100, cp.int32))
+        tree = K.allocate_tree(bs, budget + 1)
+        ranks = K.as_device(cp.empty((bs, budget + 1), cp.int32))
+        table = (tree.parents, tree.depths, tree.log_weights, tree.next_token,
+                 tree.next_sibling, ranks, tree.num_nodes)
+        threshold_module._select_threshold_kernel[bs, threshold_module.THREADS, 0,
+                                                  threshold_module.ARENA_BYTES](
+            d_lp, budget, *table)
+        N = budget + 1
+        for rows in sorted({marked.finish_rows(bs, N, sms), marked.FINISH_ROWS}):
+            grid = (-(-N // rows), bs)
+            marks = cuda.to_device(np.zeros((bs, grid[0], 6), np.int64))
+            for _ in range(3):                  # compile, warm up; the last launch is read
+                marked._finish_kernel[grid, marked.FINISH_THREADS](
+                    d_ids, roots, prefix, True, tree.parents, tree.depths, ranks,
+                    tree.num_nodes, rows, *marked.finish_outputs(tree), marks)
+            cuda.synchronize()
+            t = marks.copy_to_host().reshape(-1, 6)
+            begin, end = t[:, 0], t[:, 5]
+            span_us = (end.max() - begin.min()) / 1e3
+            ghz = np.median((t[:, 4] - t[:, 1]) / np.maximum(end - begin, 1))
+            starts = np.sort(begin - begin.min()) / 1e3
+            write(f"\nfinish, bs {bs}, budget {budget}, {rows} rows a block ({grid[0] * bs} "
+                  f"blocks): {span_us:.1f} us from the first block's start to the last one's "
+                  f"end (clock {ghz:.2f} GHz); blocks started by (us): median "
+                  f"{np.median(starts):.1f}, last {starts[-1]:.1f}; a block: median "
+                  f"{np.median(end - begin) / 1e3:.1f} us, max {(end - begin).max() / 1e3:.1f}")
+            phases = np.diff(t[:, 1:5], axis=1) / ghz / 1e3
+            for i in range(3):
+                write(f"  {FINISH_PHASES[i]:>15} -> {FINISH_PHASES[i + 1]:<15} median "
+                      f"{np.median(phases[:, i]):6.2f} us, max {phases[:, i].max():6.2f}")
+
+
 def main():
     out_dir = os.environ.get("OUT", os.path.join(os.path.dirname(__file__), "results"))
     lines = []
@@ -432,7 +509,7 @@ def main():
         lines.append(line)
 
     reports = {"resident": resident_report, "filtered": filtered_report,
-               "threshold": threshold_report}
+               "threshold": threshold_report, "finish": finish_report}
     chosen = sys.argv[1:] or list(reports)
     unknown = [name for name in chosen if name not in reports]
     if unknown:

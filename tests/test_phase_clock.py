@@ -32,11 +32,12 @@ def phase_clock():
             sys.modules["harness"] = saved
 
 
-@pytest.mark.parametrize("report", ["resident", "merge", "filtered", "threshold"])
+@pytest.mark.parametrize("report", ["resident", "merge", "filtered", "threshold", "finish"])
 def test_every_anchor_is_in_its_kernel_once(phase_clock, report):
     module = {"resident": phase_clock.resident_module, "merge": phase_clock.topk_module,
               "filtered": phase_clock.filtered_module,
-              "threshold": phase_clock.threshold_module}[report]
+              "threshold": phase_clock.threshold_module,
+              "finish": phase_clock.finish_module}[report]
     source = open(module.__file__).read()
     for anchor, replacement in getattr(phase_clock, f"{report}_edits")():
         assert source.count(anchor) == 1, anchor    # as instrument() applies them: in turn
