@@ -439,9 +439,9 @@ def test_levels_kernel_with_its_gpu_scan_and_sort_on_emulated_shuffles(monkeypat
     from simulated_warp import emulated_shuffles
 
     from ddtree_numba.kernels import build_tree_levels
-    from ddtree_numba.kernels._primitives import _bitonic_sort_gpu, _warp_shuffle_scan
+    from ddtree_numba.kernels._primitives import _bitonic_sort_gpu, _warp_shuffle_scan_open
 
-    monkeypatch.setattr(build_tree_levels, "block_inclusive_scan", _warp_shuffle_scan)
+    monkeypatch.setattr(build_tree_levels, "block_inclusive_scan_open", _warp_shuffle_scan_open)
     monkeypatch.setattr(build_tree_levels, "bitonic_sort_desc", _bitonic_sort_gpu)
     rng = np.random.default_rng(77)
     cases = [random_tree_inputs(rng, ties=seed % 2 == 0, neg_inf=0.3 if seed == 3 else 0.0)

@@ -173,8 +173,8 @@ def test_kernel_with_its_gpu_scan_and_sort_on_emulated_shuffles(monkeypatch):
 
     from ddtree_numba.kernels import _primitives, build_tree_threshold
 
-    monkeypatch.setattr(build_tree_threshold, "block_inclusive_scan",
-                        _primitives._warp_shuffle_scan)
+    monkeypatch.setattr(build_tree_threshold, "block_inclusive_scan_open",
+                        _primitives._warp_shuffle_scan_open)
     monkeypatch.setattr(_primitives, "bitonic_sort_desc", _primitives._bitonic_sort_gpu)
     with emulated_shuffles():
         run_kernel_cases(which=(0, 3, 4))   # both floor rises; the fall-back; repeated sorts

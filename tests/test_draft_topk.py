@@ -144,11 +144,11 @@ def test_kernel_with_its_gpu_scan_and_sort_on_emulated_shuffles(monkeypatch):
 
     from simulated_warp import emulated_shuffles
 
-    from ddtree_numba.kernels._primitives import _bitonic_sort_gpu, _warp_shuffle_scan
+    from ddtree_numba.kernels._primitives import _bitonic_sort_gpu, _warp_shuffle_scan_open
 
     module = importlib.import_module("ddtree_numba.kernels.draft_topk")   # not the function
     primitives = importlib.import_module("ddtree_numba.kernels._primitives")
-    monkeypatch.setattr(module, "block_inclusive_scan", _warp_shuffle_scan)
+    monkeypatch.setattr(module, "block_inclusive_scan_open", _warp_shuffle_scan_open)
     monkeypatch.setattr(primitives, "bitonic_sort_desc", _bitonic_sort_gpu)   # sort_desc_any's
     rng = np.random.default_rng(5)
     x = rng.standard_normal((1, 2, 96)).astype(np.float32)
@@ -503,8 +503,8 @@ def test_resident_kernel_with_its_gpu_reductions_on_emulated_shuffles(monkeypatc
     topk = importlib.import_module("ddtree_numba.kernels.draft_topk")
     monkeypatch.setattr(resident, "block_max_u32", primitives._block_max_u32_by_warps)
     monkeypatch.setattr(resident, "block_sum_f32", primitives._block_sum_f32_by_warps)
-    monkeypatch.setattr(topk, "block_inclusive_scan", primitives._warp_shuffle_scan)
-    monkeypatch.setattr(resident, "block_inclusive_scan", primitives._warp_shuffle_scan)
+    monkeypatch.setattr(topk, "block_inclusive_scan_open", primitives._warp_shuffle_scan_open)
+    monkeypatch.setattr(resident, "block_inclusive_scan_open", primitives._warp_shuffle_scan_open)
     monkeypatch.setattr(primitives, "bitonic_sort_desc", primitives._bitonic_sort_gpu)
     x, k, parts = resident_case(case, np.random.default_rng(zlib.crc32(case.encode())))
     with emulated_shuffles():

@@ -11,8 +11,10 @@ from ddtree_numba import kernels as K
 from ddtree_numba.kernels._primitives import (
     _bitonic_sort_gpu,
     _warp_shuffle_scan,
+    _warp_shuffle_scan_open,
     bitonic_sort_desc,
     block_inclusive_scan,
+    block_inclusive_scan_open,
     block_max,
     block_sum,
     make_block_reduce,
@@ -79,9 +81,9 @@ SCAN_CAP = 1024
 SORT_CAP = 4096
 
 
-def make_scan_kernel(scan):
-    """A kernel that runs ``scan`` twice in a row (scratch is reused at once) on one row of
-    ``T`` int32 each time."""
+def make_scan_kernel(scan, closing_barrier=False):
+    """A kernel that runs ``scan`` twice in a row on one row of ``T`` int32 each time: with
+    scratch reused at once, or (``closing_barrier``, for an open scan) after a barrier."""
 
     @cuda.jit
     def scan_kernel(values, inclusive, totals):
@@ -90,6 +92,8 @@ def make_scan_kernel(scan):
         T = cuda.blockDim.x
         for rep in range(2):
             inc, total = scan(scratch, values[rep, tid], tid, T)
+            if closing_barrier:
+                cuda.syncthreads()
             inclusive[rep, tid] = inc
             totals[rep, tid] = total
 
@@ -139,12 +143,19 @@ def check_sort(kernel, n, T):
 
 
 _scan_kernel = make_scan_kernel(block_inclusive_scan)
+_open_scan_kernel = make_scan_kernel(block_inclusive_scan_open, closing_barrier=True)
 _sort_kernel = make_sort_kernel(bitonic_sort_desc)
 
 
 @pytest.mark.parametrize("T", [32, 64] if K.SIMULATOR else [32, 64, 256, 512, 1024])
 def test_block_inclusive_scan_every_block_size(T):
     check_scan(_scan_kernel, T, T // 2)
+
+
+@pytest.mark.parametrize("T", [32, 64] if K.SIMULATOR else [32, 64, 256, 512, 1024])
+def test_open_block_scan_every_block_size(T):
+    """The scan without its closing barrier, the caller's barrier closing it."""
+    check_scan(_open_scan_kernel, T, T // 2)
 
 
 @pytest.mark.parametrize("n,T", [(1, 32), (16, 32), (64, 32)] if K.SIMULATOR else
@@ -168,6 +179,7 @@ def test_warp_shuffle_scan_on_emulated_shuffles(T):
 
     with emulated_shuffles():
         check_scan(make_scan_kernel(_warp_shuffle_scan), T, T // 3)
+        check_scan(make_scan_kernel(_warp_shuffle_scan_open, closing_barrier=True), T, T // 5)
 
 
 @pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated shuffles")

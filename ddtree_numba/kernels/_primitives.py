@@ -28,13 +28,19 @@ so ``scratch`` may be reused at once. Two versions with one result:
 
 * the simulator's (the readable definition): Hillis-Steele in ``scratch[0:T]``, ``log2 T``
   steps, each a read, a barrier, an add and a barrier, one before them and one at the end:
-  22 barriers at ``T = 1024``;
+  22 barriers at ``T = 1024`` (21 open);
 * the GPU's: each warp scans its 32 values in registers (five ``shfl.up`` steps: lane ``i``
   adds the running value of lane ``i - 1``, ``i - 2``, ``i - 4``, ...), lane 31 writes the warp's
-  total to ``scratch[warp]``; after a barrier warp 0 scans those ``T / 32`` totals the same way;
-  after a second barrier each thread adds the totals of the warps before its own; a third
-  ends it.
+  total to ``scratch[warp]``; after a barrier *every* warp scans those ``T / 32`` totals the
+  same way (lane ``l`` loads total ``l``), and each thread adds the running total of the warps
+  before its own, shuffled from lane ``warp - 1``; a second barrier ends it. (Warp 0 alone
+  scanning the totals and publishing them in shared memory, as an earlier version did, needs
+  a barrier more: the other warps would wait for it.)
   ``T`` must be a multiple of 32 there (every block that calls it is).
+
+``block_inclusive_scan_open`` is the same scan without its closing barrier, for callers whose
+next barrier comes before anyone writes ``scratch`` again (a scan whose sums are stored and
+then published by a barrier of the caller's own): one barrier a scan on a GPU.
 
 *Bitonic sort.* ``bitonic_sort_desc(keys, n, tid, T)`` sorts ``n`` uint64 keys (a power of two)
 in shared memory, descending, with the bitonic network: for ``size = 2, 4, .., n`` and
@@ -330,8 +336,9 @@ block_sum_f32 = block_sum if SIMULATOR else _block_sum_f32_by_warps
 
 
 @cuda.jit(device=True, inline=True)
-def _hillis_steele_scan(scratch, value, tid, T):
-    """``(inclusive, total)`` of one int32 per thread, in ``scratch[0:T]`` (see above)."""
+def _hillis_steele_scan_open(scratch, value, tid, T):
+    """``(inclusive, total)`` of one int32 per thread, in ``scratch[0:T]`` (see above),
+    without the closing barrier."""
     scratch[tid] = value
     cuda.syncthreads()                      # all values in place
     offset = 1
@@ -341,8 +348,13 @@ def _hillis_steele_scan(scratch, value, tid, T):
         scratch[tid] += add
         cuda.syncthreads()                  # the step is complete before the next read
         offset *= 2
-    inclusive = scratch[tid]
-    total = scratch[T - 1]
+    return scratch[tid], scratch[T - 1]
+
+
+@cuda.jit(device=True, inline=True)
+def _hillis_steele_scan(scratch, value, tid, T):
+    """:func:`_hillis_steele_scan_open`, then a barrier: ``scratch`` may be reused at once."""
+    inclusive, total = _hillis_steele_scan_open(scratch, value, tid, T)
     cuda.syncthreads()                      # all read before scratch is reused
     return inclusive, total
 
@@ -359,39 +371,49 @@ def warp_inclusive_scan(x, lane):
     return x
 
 
-@cuda.jit(device=True, inline=True)
-def _warp_shuffle_scan(scratch, value, tid, T):
-    """``(inclusive, total)`` of one int32 per thread: warps scan in registers, warp 0 scans
-    the ``T / 32`` warp totals held in ``scratch[0:T / 32]`` (see above)."""
-    lane = tid & 31
-    warp = tid >> 5
-    warps = T >> 5
-    x = warp_inclusive_scan(int32(value), lane)
-    if lane == 31:
-        scratch[warp] = x                   # the warp's total
-    cuda.syncthreads()                      # every warp's total in place
-    if warp == 0:
+def _make_shuffle_scan(closing: bool):
+    """The GPU's block scan, with (``closing``) or without its last barrier."""
+
+    @cuda.jit(device=True, inline=True)
+    def scan(scratch, value, tid, T):
+        """``(inclusive, total)`` of one int32 per thread: warps scan in registers, then every
+        warp scans the ``T / 32`` warp totals held in ``scratch[0:T / 32]`` (see above)."""
+        lane = tid & 31
+        warp = tid >> 5
+        warps = T >> 5
+        x = warp_inclusive_scan(int32(value), lane)
+        if lane == 31:
+            scratch[warp] = x               # the warp's total
+        cuda.syncthreads()                  # every warp's total in place
+        # lane l of every warp: the totals of warps 0 .. l (no one writes scratch until the
+        # caller's next barrier, or the closing one below)
         t = warp_inclusive_scan(scratch[lane] if lane < warps else int32(0), lane)
-        if lane < warps:
-            scratch[lane] = t               # warps 0 .. lane together (only this lane read
-                                            # scratch[lane] above: no race)
-    cuda.syncthreads()                      # the warps' running totals in place
-    if warp > 0:
-        x += scratch[warp - 1]              # (numba widens this sum to int64; same value)
-    total = scratch[warps - 1]
-    cuda.syncthreads()                      # all read before scratch is reused
-    return x, total
+        before = cuda.shfl_sync(FULL_MASK, t, (warp - 1) & 31)   # warps 0 .. warp - 1
+        total = cuda.shfl_sync(FULL_MASK, t, warps - 1)
+        if warp > 0:
+            x = int32(x + before)
+        if closing:                         # (a constant: compiled in or out)
+            cuda.syncthreads()              # all read before scratch is reused
+        return x, total
+
+    return scan
 
 
-# the simulator has no warp shuffles; on a GPU the same sums with 3 barriers instead of 22
+_warp_shuffle_scan = _make_shuffle_scan(True)
+_warp_shuffle_scan_open = _make_shuffle_scan(False)
+
+
+# the simulator has no warp shuffles; on a GPU the same sums with 2 barriers instead of 22
+# (the open scans: 1 instead of 21, the caller's next barrier closing them)
 block_inclusive_scan = _hillis_steele_scan if SIMULATOR else _warp_shuffle_scan
+block_inclusive_scan_open = _hillis_steele_scan_open if SIMULATOR else _warp_shuffle_scan_open
 
 
 def block_scan_scratch(T: int) -> int:
     """int32 entries of ``scratch`` that :func:`block_inclusive_scan` needs for a block of
     ``T`` threads: one a thread on the simulator (Hillis-Steele), one a warp on a GPU, whose
     scan takes whole warps only (``T`` a multiple of 32, at most 1 024: full-mask shuffles,
-    and warp 0 scans the warp totals)."""
+    and every warp scans the warp totals)."""
     if not SIMULATOR and (T % 32 or not 32 <= T <= 1024):
         raise ValueError(f"T: expected a multiple of 32 in [32, 1024] on a GPU, got {T}")
     return T if SIMULATOR else T // 32

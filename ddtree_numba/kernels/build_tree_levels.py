@@ -53,7 +53,7 @@ from ..limits import MAX_NODES
 from ._device import SIMULATOR, kernel_for_block
 from ._primitives import (
     bitonic_sort_desc,
-    block_inclusive_scan,
+    block_inclusive_scan_open,
     block_scan_scratch,
     float_of_key,
     key_of_float,
@@ -124,12 +124,13 @@ def _scan_owned(values, n, scratch, tid, T):
     own = 0
     for i in range(first, last):
         own += values[i]
-    inclusive, total = block_inclusive_scan(scratch, own, tid, T)   # ends with a barrier
+    inclusive, total = block_inclusive_scan_open(scratch, own, tid, T)
     before = inclusive - own
     for i in range(first, last):
         before += values[i]
         values[i] = before
     cuda.syncthreads()                      # the sums are in place before anyone reads them
+                                            # (and the scan's scratch read: it closes it)
     return total
 
 

@@ -69,7 +69,7 @@ from ..limits import MAX_NODES
 from ..reference.build_tree_threshold import CAPACITY as GPU_CAPACITY
 from ..reference.build_tree_threshold import FINITE_FLOOR as _FINITE_FLOOR
 from ._device import SIMULATOR, STATIC_SHARED_LIMIT, kernel_for_block, shared_layout
-from ._primitives import block_inclusive_scan, block_scan_scratch, key_of_float, sort_desc_any
+from ._primitives import block_inclusive_scan_open, block_scan_scratch, key_of_float, sort_desc_any
 from .build_tree_levels import CAND_CAP, LEVEL_THREADS, NODE_CAPACITY, select_levels
 
 THREADS = 32 if SIMULATOR else 512
@@ -122,12 +122,13 @@ def _scan_in_place(values, n, scratch, tid, T):
     own = int32(0)
     for i in range(first, last):
         own = int32(own + int32(values[i]))
-    inclusive, total = block_inclusive_scan(scratch, own, tid, T)   # ends with a barrier
+    inclusive, total = block_inclusive_scan_open(scratch, own, tid, T)
     before = int32(inclusive - own)
     for i in range(first, last):
         before = int32(before + int32(values[i]))
         values[i] = uint64(before)
     cuda.syncthreads()                      # the sums in place before anyone reads them
+                                            # (and the scan's scratch read: it closes it)
     return int32(total)
 
 
@@ -175,10 +176,11 @@ def _count_children(score, mult, lp_row, work, scratch, start, n, d, K, B, floor
         if tid < P:
             count = _children_above(score[start + tid], int32(mult[start + tid]), lp_row, d,
                                     K, B, floor)
-        inclusive, total = block_inclusive_scan(scratch, count, tid, T)   # ends with a barrier
+        inclusive, total = block_inclusive_scan_open(scratch, count, tid, T)
         if tid < P:
             work[tid] = uint64(inclusive)
         cuda.syncthreads()                  # the sums in place before anyone reads them
+                                            # (and the scan's scratch read: it closes it)
         return int32(total)
     for p in range(start + tid, n, T):
         work[p - start] = uint64(_children_above(score[p], int32(mult[p]), lp_row, d, K, B,
@@ -262,7 +264,7 @@ def _floor_edge(k, cap, score, n, with_children, work, start, M, lp_row, hist, s
         own = int32(0)
         for i in range(first, last):
             own = int32(own + hist[BINS - 1 - i])
-        inclusive, _ = block_inclusive_scan(scratch, own, tid, T)   # ends with a barrier
+        inclusive, _ = block_inclusive_scan_open(scratch, own, tid, T)   # (closed below)
         before = int32(inclusive - own)
         for i in range(first, last):
             count = hist[BINS - 1 - i]

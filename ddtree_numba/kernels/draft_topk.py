@@ -81,7 +81,7 @@ from ._primitives import (
     FULL_MASK,
     bits_of_key,
     bits_to_float,
-    block_inclusive_scan,
+    block_inclusive_scan_open,
     block_max,
     block_sum,
     float_of_key,
@@ -132,7 +132,7 @@ def _find_threshold_digit(hist, nbins, need, scratch, result, tid, T):
     for q in range(per):
         if top - q >= 0:
             local += hist[top - q]
-    incl, total = block_inclusive_scan(scratch, local, tid, T)
+    incl, total = block_inclusive_scan_open(scratch, local, tid, T)   # (closed below)
     excl = incl - local
     if excl < need and need <= incl:        # exactly one thread
         run = excl
@@ -145,8 +145,8 @@ def _find_threshold_digit(hist, nbins, need, scratch, result, tid, T):
                     result[2] = hist[d]
                     break
                 run += hist[d]
-    cuda.syncthreads()                      # result visible to all threads
-    return total
+    cuda.syncthreads()                      # result visible to all threads (and the
+    return total                            # scan's scratch read: it closes the scan)
 
 
 # ------------------------------------------------------------------------------------------
@@ -253,7 +253,8 @@ def _make_select_top(bf16: bool):
             for v in range(first, last):
                 if orderable_key(load_bits(row, v)) == prefix:
                     mine += 1
-            rank = block_inclusive_scan(scratch, mine, tid, T)[0] - mine
+            # (an open scan: the barrier after the candidates closes it)
+            rank = block_inclusive_scan_open(scratch, mine, tid, T)[0] - mine
             base = kk - need                # slots after the keys above the threshold
             for v in range(first, last):
                 if rank < need and orderable_key(load_bits(row, v)) == prefix:

@@ -76,7 +76,7 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 
 from ._device import SIMULATOR, kernel_for_block
 from ._primitives import (
-    block_inclusive_scan,
+    block_inclusive_scan_open,
     block_max_u32,
     block_scan_scratch,
     block_sum_f32,
@@ -219,7 +219,8 @@ def _make_resident_kernels(bf16: bool):
         for i in range(LOGITS_PER_THREAD):
             if keys[i] >= edge:
                 count = int32(count + 1)
-        inclusive, found = block_inclusive_scan(scratch, count, tid, RESIDENT_THREADS)
+        # (an open scan: the barrier after the candidates closes it)
+        inclusive, found = block_inclusive_scan_open(scratch, count, tid, RESIDENT_THREADS)
         if found <= CAND_CAP:                   # (the same for every thread)
             slot = int32(inclusive - count)     # this thread's first slot
             # Two constant loops over (word, logit), not one over the 48 keys: keys[] stays in
