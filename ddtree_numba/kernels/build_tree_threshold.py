@@ -112,11 +112,23 @@ def _score_key(x):
 
 
 @cuda.jit(device=True, inline=True)
+def _div_u32(a, b):
+    """``a // b`` for ``0 <= a < 2**32``, ``0 < b < 2**32``, as one 32-bit unsigned division
+    (about 20 instructions inline). numba widens ``int32 // int32`` to 64 bits; LLVM guards
+    such a division with a test of both operands' high words, a branch and a 32-bit division
+    for the common case, and keeps a call of ``__cuda_sm20_div_s64`` (about 70 instructions)
+    for the rest. The kernel had 25 such calls (of which 13 are gone with this and the loops'
+    ``int32`` bounds below: a loop ``range(start, stop, T)`` over 64-bit bounds divides by
+    ``T`` for its trip count); its sm_90 code shrank by about 900 instructions."""
+    return int32(uint32(a) // uint32(b))
+
+
+@cuda.jit(device=True, inline=True)
 def _scan_in_place(values, n, scratch, tid, T):
     """``values[0:n]`` (uint64 holding int32 counts) -> their inclusive sums, in place; thread
     ``t`` owns the span ``[t s, (t + 1) s)``, ``s = ceil(n / T)``. Returns the total. Ends
     with a barrier."""
-    span = (n + T - 1) // T
+    span = _div_u32(n + T - 1, T)
     first = tid * span
     last = min(first + span, n)
     own = int32(0)
@@ -154,7 +166,7 @@ def _children_above(s_p, m_p, lp_row, d, K, B, floor):
     """How many children of a parent (score ``s_p``, ``m(u) = m_p``, depth ``d``) score at or
     above ``floor``: a binary search over the first ``min(K, B // m_p, B - d)`` ranks of
     ``lp_row`` (those are a prefix: the scores fall with the rank)."""
-    width = min(K, B // m_p, B - d)                  # the ranks that can matter
+    width = min(K, _div_u32(B, m_p), B - d)          # the ranks that can matter
     lo = uint32(0)
     hi = uint32(max(width, 0))
     while lo < hi:                                   # the first rank below the floor
@@ -182,7 +194,7 @@ def _count_children(score, mult, lp_row, work, scratch, start, n, d, K, B, floor
         cuda.syncthreads()                  # the sums in place before anyone reads them
                                             # (and the scan's scratch read: it closes it)
         return int32(total)
-    for p in range(start + tid, n, T):
+    for p in range(int32(start + tid), n, T):      # (int32 bounds: a 32-bit trip count)
         work[p - start] = uint64(_children_above(score[p], int32(mult[p]), lp_row, d, K, B,
                                                  floor))
     cuda.syncthreads()                      # counts in place
@@ -201,7 +213,7 @@ def _expand(score, parent, rank, depth, mult, work, lp_row, n, start, M, d, B, t
     again, past parents without children). Every thread writes about ``M / T`` children
     however the parents' widths differ."""
     P = n - start
-    per = ((M + T - 1) // T) | 1                # children a thread: odd (the banks)
+    per = _div_u32(M + T - 1, T) | 1            # children a thread: odd (the banks)
     j = int32(tid * per)
     j_end = int32(min(j + per, M))
     u = int32(0)
@@ -243,10 +255,10 @@ def _floor_edge(k, cap, score, n, with_children, work, start, M, lp_row, hist, s
     for round_ in range(4):
         shift = uint32(24 - 8 * round_)
         decided = uint32(~((uint64(1) << uint64(shift + uint32(8))) - uint64(1)) & LOW)
-        for i in range(tid, BINS, T):
+        for i in range(tid, int32(BINS), T):
             hist[i] = 0
         cuda.syncthreads()                  # the bins zeroed before any count
-        for i in range(1 + tid, n, T):      # the list (not the root)
+        for i in range(int32(1 + tid), n, T):   # the list (not the root)
             key = _score_key(score[i])
             if key & decided == prefix:
                 cuda.atomic.add(hist, int32((key >> shift) & uint32(0xFF)), 1)
@@ -258,7 +270,7 @@ def _floor_edge(k, cap, score, n, with_children, work, start, M, lp_row, hist, s
                     cuda.atomic.add(hist, int32((key >> shift) & uint32(0xFF)), 1)
         cuda.syncthreads()                  # every key counted
         # the bin holding the k-th key: inclusive sums over the bins from the highest down
-        span = (BINS + T - 1) // T
+        span = _div_u32(BINS + T - 1, T)
         first = tid * span
         last = min(first + span, BINS)
         own = int32(0)
@@ -374,7 +386,7 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
     depth = i8[AT_DEPTH:AT_DEPTH + CAPACITY]
     ahead = cuda.local.array(ROW_PER_THREAD, float32)
 
-    width0 = min(K, B)                             # ranks ever read from a row
+    width0 = int32(min(K, B))                      # ranks ever read from a row
     if tid == 0:                                   # the root
         score[0] = float32(0.0)
         parent[0] = -1
@@ -383,7 +395,7 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
         mult[0] = 1
     for r in range(tid, width0, T):
         lp_row[r] = lp[b, 0, r]
-    for i in range(tid, 4, T):
+    for i in range(tid, int32(4), T):
         flags[i] = 0
     cuda.syncthreads()                             # the root and row 0 in place
 
@@ -490,8 +502,8 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
             break
 
     # the node table: position j is node j
-    nt = min(n, B + 1)
-    for j in range(tid, N, T):
+    nt = int32(min(n, B + 1))
+    for j in range(tid, int32(N), T):
         next_token[b, j] = -1
         if j < nt:
             i = _entry_of(work[j])
@@ -520,7 +532,7 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
     if tid == 0:
         num_nodes[b] = nt
     cuda.syncthreads()                             # every next_token reset before the links
-    for j in range(1 + tid, nt, T):
+    for j in range(int32(1 + tid), nt, T):
         i = _entry_of(work[j])
         pp = int32(parent[i])
         up = int32(mult[pp]) if pp >= 0 else int32(0)
