@@ -23,8 +23,8 @@ Three kernels:
 * ``build_tree``'s threshold select, on ``bench_build_tree.py``'s inputs, one line per budget.
   Codes: ``1`` root and row 0; ``100 + d`` level ``d``'s count; ``200 + d`` a floor rise (the
   radix select); ``300 + d`` the compaction after it; ``400 + d`` the expansion; ``500 + d``
-  the next row stored; ``600 + i`` the i-th final sort; ``700`` the node table; ``800`` the
-  links.
+  the next row stored (rows wider than ``ROW_HALF`` only: narrower ones need no phase for
+  it); ``600 + i`` the i-th final sort; ``700`` the node table; ``800`` the links.
 * ``build_tree``'s finish kernel, on the threshold select's trees of those inputs (bs 1 at
   budgets 64, 256 and 1 024; bs 64 at 256 and 1 024), at the rows a block that
   ``finish_rows`` picks and at ``FINISH_ROWS``: the launch's span (``%globaltimer``, first
@@ -364,8 +364,8 @@ def threshold_edits():
             (4, "1"),
         "        cuda.syncthreads()                         # the level written, lp_row read\n":
             (8, "400 + d"),
-        "        cuda.syncthreads()                         # the next row in place\n":
-            (8, "500 + d"),
+        "            cuda.syncthreads()                     # the next row in place\n":
+            (12, "500 + d"),
         "        cuda.syncthreads()                         # flags and positions complete\n":
             (8, "600 + it"),
         "    cuda.syncthreads()                             # every next_token reset before "
@@ -379,12 +379,12 @@ def threshold_edits():
 
     edits = [("next_sibling, ranks, num_nodes):",
               "next_sibling, ranks, num_nodes, marks, codes):"),
-             ("    width0 = min(K, B)  ",
+             ("    width0 = int32(min(K, B))",
               "    mk = 0\n" + counted(4, "0") + "    if tid == 0:\n        marks[b, 127] = ns()\n"
-              "    width0 = min(K, B)  ")]
+              "    width0 = int32(min(K, B))")]
     edits += [(line, line + counted(indent, code)) for line, (indent, code) in syncs.items()]
-    count = ("                M = _count_children(score, mult, lp_row, work, scratch, start, n, "
-             "d, K, B,\n                                    floor, tid, T)\n")
+    count = ("                M = _count_children(score, mult, lp_row, at, work, scratch, start, "
+             "n, d, K,\n                                    B, floor, tid, T)\n")
     rise = "                                           hist, scratch, found, tid, T))\n"
     compact = "                                start, tid, T)\n            stage += 1\n"
     edits += [(count, count + counted(16, "100 + d")), (rise, rise + counted(12, "200 + d")),

@@ -122,13 +122,16 @@ def test_rises_take_fewer_rounds_on_the_benchmark_rows():
 # --- the kernel (the simulator's list holds 256 entries, a GPU's 2048) ----------------------
 def kernel_cases():
     """Inputs that overflow the simulator's list (both floor rises), that fall back (every
-    score ties), that need repeated sorts, and the edges."""
+    score ties), that need repeated sorts, and the edges; rows wider than the simulator's
+    ``ROW_HALF`` (one row array, stored at each level's end) and narrower (two halves), each
+    with floor rises."""
     rng = np.random.default_rng(11)
     cases = []
     for L, K_, budget, kind in ((5, 64, 40, "random"), (4, 64, 100, "log_softmax"),
                                 (3, 64, 64, "random"), (5, 16, 100, "zeros"),
                                 (5, 7, 17, "ties"), (15, 2, 17, "ties"), (1, 1, 0, "random"),
-                                (1, 8, 1, "random"), (6, 64, 60, "neg_inf")):
+                                (1, 8, 1, "random"), (6, 64, 60, "neg_inf"),
+                                (6, 16, 120, "random")):
         lp = np.stack([sorted_rows(rng, L, K_, kind) for _ in range(2)])
         cases.append((lp, budget))
     return cases
@@ -148,11 +151,17 @@ def run_kernel_cases(which=None):
 
 def test_kernel_cases_take_every_path():
     """The cases above do reach the paths they are meant for, at the simulator's capacity."""
-    from ddtree_numba.kernels.build_tree_threshold import CAPACITY
+    from ddtree_numba.kernels.build_tree_threshold import CAPACITY, ROW_HALF
 
     stats = [best_first_by_threshold(lp[b], budget, CAPACITY) for lp, budget in kernel_cases()
              for b in range(lp.shape[0])] if K.SIMULATOR else []
     if K.SIMULATOR:
+        # floor rises with the row in one array and in two halves
+        halves = [min(lp.shape[2], budget) <= ROW_HALF for lp, budget in kernel_cases()
+                  for b in range(lp.shape[0])]
+        risen = [tree is not None and s["selects"] > 0 for tree, s in stats]
+        assert any(r and h for r, h in zip(risen, halves, strict=True))
+        assert any(r and not h for r, h in zip(risen, halves, strict=True))
         assert any(tree is None for tree, _ in stats)
         assert any(s["selects"] >= 2 for tree, s in stats if tree is not None)
         assert any(s["sorts"] >= 2 for tree, s in stats if tree is not None)
@@ -177,7 +186,8 @@ def test_kernel_with_its_gpu_scan_and_sort_on_emulated_shuffles(monkeypatch):
                         _primitives._warp_shuffle_scan_open)
     monkeypatch.setattr(_primitives, "bitonic_sort_desc", _primitives._bitonic_sort_gpu)
     with emulated_shuffles():
-        run_kernel_cases(which=(0, 3, 4))   # both floor rises; the fall-back; repeated sorts
+        run_kernel_cases(which=(0, 3, 4, 9))   # both floor rises (one row; two halves); the
+                                               # fall-back; repeated sorts
 
 
 def test_kernel_unchecked_positive_log_probs_stay_in_bounds():
@@ -249,8 +259,10 @@ def test_kernel_falls_back_in_its_block_at_gpu_capacity():
 
 
 def _expand_kernel_for(T):
-    """A kernel running the threshold select's step 4 (``_expand``) alone on given sums."""
+    """A kernel running the threshold select's step 4 (``_expand``) alone on given sums, with
+    the row at an offset ``AT`` of its array (as in the second of its halves)."""
     from ddtree_numba.kernels.build_tree_threshold import CAPACITY, ROW, _expand
+    AT = 7
 
     @cuda.jit
     def kernel(counts_sums, parent_scores, row, n, start, M, d, B, out_f, out_i):
@@ -267,10 +279,10 @@ def _expand_kernel_for(T):
             mult[i] = 1 + i % 3
             parent[i] = -7
             work[i] = uint64(counts_sums[i])
-        for i in range(tid, ROW, T):
-            lp_row[i] = row[i]
+        for i in range(tid, ROW, T):            # the row at lp_row[AT:], garbage before it
+            lp_row[i] = row[i - AT] if i >= AT else float32(1e30)
         cuda.syncthreads()
-        _expand(score, parent, rank, depth, mult, work, lp_row, n, start, M, d, B, tid, T)
+        _expand(score, parent, rank, depth, mult, work, lp_row, AT, n, start, M, d, B, tid, T)
         cuda.syncthreads()
         for i in range(tid, CAPACITY, T):
             out_f[i] = score[i]

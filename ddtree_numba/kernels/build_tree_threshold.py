@@ -18,7 +18,12 @@ end the sort keys.
 alike by all, from block-wide sums):
 
 1. The next row ``lp[b, d + 1, :min(K, B)]`` is loaded into registers (``ROW_PER_THREAD`` a
-   thread) now and stored to ``lp_row`` at the level's end: its latency overlaps the level.
+   thread) now and stored to ``lp_row`` at the level's end, after a barrier and with one of
+   its own: its latency overlaps the level. Rows of at most ``ROW_HALF`` (527) ranks, the
+   budgets up to 527 (the targets' 64 and 256), alternate between ``lp_row``'s two halves
+   instead: row ``d + 1``, loaded a level ahead, is stored into the half that row ``d - 1``
+   held when level ``d`` starts, and the level's own barriers publish it: no store phase and
+   no barrier for it.
 2. *Count*: thread ``t`` takes parents ``start + t``, ``start + t + T``, ...; a binary search
    over its row prefix of ``width = min(K, B // mult, B - d)`` ranks counts the children at or
    above the floor; a block scan turns the counts into inclusive sums in ``work`` (``M``, the
@@ -78,6 +83,9 @@ CAPACITY = 256 if SIMULATOR else GPU_CAPACITY
 PER_THREAD = CAPACITY // THREADS            # list entries a thread holds in a compaction
 ROW = MAX_NODES                             # a row's staged ranks: < min(K, B) <= 1055
 ROW_PER_THREAD = -(-ROW // THREADS)         # next-row values a thread prefetches
+# rows of at most ROW_HALF ranks alternate between the two halves of the row's array (the
+# simulator's is small, so that its tests take both ways)
+ROW_HALF = 16 if SIMULATOR else ROW // 2
 BINS = 256                                  # the radix select's 8-bit digits
 SCAN_SCRATCH = block_scan_scratch(THREADS)
 FINITE_FLOOR = uint32(_FINITE_FLOOR)
@@ -162,16 +170,16 @@ def _parent_of(sums, P, j):
 
 
 @cuda.jit(device=True, inline=True)
-def _children_above(s_p, m_p, lp_row, d, K, B, floor):
+def _children_above(s_p, m_p, lp_row, at, d, K, B, floor):
     """How many children of a parent (score ``s_p``, ``m(u) = m_p``, depth ``d``) score at or
-    above ``floor``: a binary search over the first ``min(K, B // m_p, B - d)`` ranks of
-    ``lp_row`` (those are a prefix: the scores fall with the rank)."""
+    above ``floor``: a binary search over the first ``min(K, B // m_p, B - d)`` ranks of the
+    row at ``lp_row[at:]`` (those are a prefix: the scores fall with the rank)."""
     width = min(K, _div_u32(B, m_p), B - d)          # the ranks that can matter
     lo = uint32(0)
     hi = uint32(max(width, 0))
     while lo < hi:                                   # the first rank below the floor
         mid = uint32((lo + hi) >> uint32(1))
-        if _score_key(s_p + lp_row[mid]) >= floor:
+        if _score_key(s_p + lp_row[at + mid]) >= floor:
             lo = uint32(mid + uint32(1))
         else:
             hi = mid
@@ -179,15 +187,15 @@ def _children_above(s_p, m_p, lp_row, d, K, B, floor):
 
 
 @cuda.jit(device=True, inline=True)
-def _count_children(score, mult, lp_row, work, scratch, start, n, d, K, B, floor, tid, T):
+def _count_children(score, mult, lp_row, at, work, scratch, start, n, d, K, B, floor, tid, T):
     """Step 2: ``work[0:n - start]`` = the inclusive sums of the children at or above
     ``floor`` of parents ``start .. n - 1``; returns their total ``M``. Ends with a barrier."""
     P = n - start
     if P <= T:                              # uniform: thread t counts parent start + t and
         count = int32(0)                    # scans its count from a register
         if tid < P:
-            count = _children_above(score[start + tid], int32(mult[start + tid]), lp_row, d,
-                                    K, B, floor)
+            count = _children_above(score[start + tid], int32(mult[start + tid]), lp_row,
+                                    at, d, K, B, floor)
         inclusive, total = block_inclusive_scan_open(scratch, count, tid, T)
         if tid < P:
             work[tid] = uint64(inclusive)
@@ -195,14 +203,14 @@ def _count_children(score, mult, lp_row, work, scratch, start, n, d, K, B, floor
                                             # (and the scan's scratch read: it closes it)
         return int32(total)
     for p in range(int32(start + tid), n, T):      # (int32 bounds: a 32-bit trip count)
-        work[p - start] = uint64(_children_above(score[p], int32(mult[p]), lp_row, d, K, B,
-                                                 floor))
+        work[p - start] = uint64(_children_above(score[p], int32(mult[p]), lp_row, at, d, K,
+                                                 B, floor))
     cuda.syncthreads()                      # counts in place
     return _scan_in_place(work, P, scratch, tid, T)
 
 
 @cuda.jit(device=True, inline=True)
-def _expand(score, parent, rank, depth, mult, work, lp_row, n, start, M, d, B, tid, T):
+def _expand(score, parent, rank, depth, mult, work, lp_row, at, n, start, M, d, B, tid, T):
     """Step 4: the level's ``M`` children at list entries ``n .. n + M - 1`` (``work[0:P]``
     the inclusive sums of parents ``start .. n - 1``'s counts), this thread's run of them.
 
@@ -233,7 +241,7 @@ def _expand(score, parent, rank, depth, mult, work, lp_row, n, start, M, d, B, t
             m_p = int32(mult[start + u])
         r = j - first
         c = uint32(n + j)
-        score[c] = s_p + lp_row[r]              # one float32 rounding, as the reference
+        score[c] = s_p + lp_row[at + r]         # one float32 rounding, as the reference
         parent[c] = int16(start + u)
         rank[c] = int16(r)
         depth[c] = int8(d + 1)
@@ -242,13 +250,13 @@ def _expand(score, parent, rank, depth, mult, work, lp_row, n, start, M, d, B, t
 
 
 @cuda.jit(device=True, inline=True)
-def _floor_edge(k, cap, score, n, with_children, work, start, M, lp_row, hist, scratch, found,
-                tid, T):
+def _floor_edge(k, cap, score, n, with_children, work, start, M, lp_row, at, hist, scratch,
+                found, tid, T):
     """A floor at most the ``k``-th largest key among the list's non-root nodes and,
-    ``with_children``, the level's ``M`` pending children (scored where they are read;
-    ``work`` holds the sums), that leaves at most ``cap`` of those keys, or the ``k``-th key
-    itself (the model's ``floor_edge``). Needs at least ``k`` keys. Every thread returns the
-    same key."""
+    ``with_children``, the level's ``M`` pending children (scored where they are read, with
+    the row at ``lp_row[at:]``; ``work`` holds the sums), that leaves at most ``cap`` of those
+    keys, or the ``k``-th key itself (the model's ``floor_edge``). Needs at least ``k`` keys.
+    Every thread returns the same key."""
     prefix = uint32(0)
     need = int32(k)
     P = n - start
@@ -265,7 +273,7 @@ def _floor_edge(k, cap, score, n, with_children, work, start, M, lp_row, hist, s
         if with_children:
             for j in range(tid, M, T):
                 u, r = _parent_of(work, P, j)
-                key = _score_key(score[start + u] + lp_row[r])
+                key = _score_key(score[start + u] + lp_row[at + r])
                 if key & decided == prefix:
                     cuda.atomic.add(hist, int32((key >> shift) & uint32(0xFF)), 1)
         cuda.syncthreads()                  # every key counted
@@ -395,6 +403,14 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
         mult[0] = 1
     for r in range(tid, width0, T):
         lp_row[r] = lp[b, 0, r]
+    # rows of at most ROW_HALF ranks alternate between lp_row's halves: row d + 1 is stored
+    # at level d's start, from registers loaded a level before, and needs no barrier of its
+    # own (the level's last one publishes it); wider rows take one store and barrier a level
+    halves = width0 <= ROW_HALF
+    if halves:
+        for q in range(ROW_PER_THREAD):            # row 1, stored at level 0's start
+            r = tid + q * T
+            ahead[q] = lp[b, 1, r] if 1 < L and r < width0 else float32(0.0)
     for i in range(tid, int32(4), T):
         flags[i] = 0
     cuda.syncthreads()                             # the root and row 0 in place
@@ -417,7 +433,16 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
     # kernel's code stays small enough for the instruction cache.
     while not fallback:
         level = d < L and start < n                # False: the end
-        if level:
+        # row d: lp_row[at:], the first half, or (halves, odd d) the second
+        at = int32(ROW_HALF) if halves and d & 1 else int32(0)
+        if level and halves:                       # 1. row d + 1 (in registers since level
+            other = int32(ROW_HALF) - at           # d - 1) into the other half, which
+            for q in range(ROW_PER_THREAD):        # level d - 1's last barrier freed; row
+                r = tid + q * T                    # d + 2 into the registers
+                if r < width0:
+                    lp_row[other + r] = ahead[q]
+                ahead[q] = lp[b, d + 2, r] if d + 2 < L and r < width0 else float32(0.0)
+        elif level:
             for q in range(ROW_PER_THREAD):        # 1. the next row, into registers
                 r = tid + q * T
                 ahead[q] = lp[b, d + 1, r] if d + 1 < L and r < width0 else float32(0.0)
@@ -428,8 +453,8 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
         while True:
             M = int32(0)
             if level:
-                M = _count_children(score, mult, lp_row, work, scratch, start, n, d, K, B,
-                                    floor, tid, T)
+                M = _count_children(score, mult, lp_row, at, work, scratch, start, n, d, K,
+                                    B, floor, tid, T)
             if level:
                 again = n + M > CAPACITY and stage < 2
             else:
@@ -437,7 +462,7 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
             if not again:
                 break
             floor = max(floor, _floor_edge(B, mid_cap if level else end_cap, score, n,
-                                           level and stage == 1, work, start, M, lp_row,
+                                           level and stage == 1, work, start, M, lp_row, at,
                                            hist, scratch, found, tid, T))
             n, start = _compact(floor, score, parent, rank, depth, mult, work, scratch, n,
                                 start, tid, T)
@@ -448,13 +473,14 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
             fallback = True
             break
         # 4. expand: each thread writes an even run of the level's children (_expand)
-        _expand(score, parent, rank, depth, mult, work, lp_row, n, start, M, d, B, tid, T)
+        _expand(score, parent, rank, depth, mult, work, lp_row, at, n, start, M, d, B, tid, T)
         cuda.syncthreads()                         # the level written, lp_row read
-        for q in range(ROW_PER_THREAD):
-            r = tid + q * T
-            if r < width0:
-                lp_row[r] = ahead[q]
-        cuda.syncthreads()                         # the next row in place
+        if not halves:                             # (uniform) the next row over this one
+            for q in range(ROW_PER_THREAD):
+                r = tid + q * T
+                if r < width0:
+                    lp_row[r] = ahead[q]
+            cuda.syncthreads()                     # the next row in place
         start = n
         n = int32(n + M)
         d += 1
