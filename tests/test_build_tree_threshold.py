@@ -180,10 +180,11 @@ def test_kernel_with_its_gpu_scan_and_sort_on_emulated_shuffles(monkeypatch):
     """The block scan and the sort the kernel takes on a GPU (warp shuffles), emulated."""
     from simulated_warp import emulated_shuffles
 
-    from ddtree_numba.kernels import _primitives, build_tree_threshold
+    from ddtree_numba.kernels import _primitives, build_tree_levels, build_tree_threshold
 
-    monkeypatch.setattr(build_tree_threshold, "block_inclusive_scan_open",
-                        _primitives._warp_shuffle_scan_open)
+    for module in (build_tree_threshold, build_tree_levels):   # (the fall-back's select too)
+        monkeypatch.setattr(module, "block_inclusive_scan_open",
+                            _primitives._warp_shuffle_scan_open)
     monkeypatch.setattr(_primitives, "bitonic_sort_desc", _primitives._bitonic_sort_gpu)
     with emulated_shuffles():
         run_kernel_cases(which=(0, 3, 4, 9))   # both floor rises (one row; two halves); the

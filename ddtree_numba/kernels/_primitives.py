@@ -410,10 +410,10 @@ block_inclusive_scan_open = _hillis_steele_scan_open if SIMULATOR else _warp_shu
 
 
 def block_scan_scratch(T: int) -> int:
-    """int32 entries of ``scratch`` that :func:`block_inclusive_scan` needs for a block of
-    ``T`` threads: one a thread on the simulator (Hillis-Steele), one a warp on a GPU, whose
-    scan takes whole warps only (``T`` a multiple of 32, at most 1 024: full-mask shuffles,
-    and every warp scans the warp totals)."""
+    """int32 entries of ``scratch`` that :func:`block_inclusive_scan` (and the open scan)
+    needs for a block of ``T`` threads: one a thread on the simulator (Hillis-Steele), one a
+    warp on a GPU, whose scan takes whole warps only (``T`` a multiple of 32, at most 1 024:
+    full-mask shuffles, and every warp scans the warp totals)."""
     if not SIMULATOR and (T % 32 or not 32 <= T <= 1024):
         raise ValueError(f"T: expected a multiple of 32 in [32, 1024] on a GPU, got {T}")
     return T if SIMULATOR else T // 32

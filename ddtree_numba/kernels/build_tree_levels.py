@@ -35,9 +35,10 @@ merge's elements in a local array indexed at run time, 64 B of stack; the timing
 are from that build.)
 
 Barriers: a round is bound by them (about 7 us a round on the H200 with the shared-memory scan
-and sort, 1 024 threads). On a GPU the two block scans take 3 barriers each, and a sort takes
-``bitonic_sort_desc``'s GPU path (``kernels._primitives``: strides below 32 in registers, and
-more than ``T`` keys four a thread); the simulator runs the shared-memory versions of both.
+and sort, 1 024 threads). On a GPU the two block scans take 1 barrier each (open scans, closed
+by the barrier after their sums), and a sort takes ``bitonic_sort_desc``'s GPU path
+(``kernels._primitives``: strides below 32 in registers, and more than ``T`` keys four a
+thread); the simulator runs the shared-memory versions of both.
 
 Shared memory (static in this kernel, on a GPU): ``G`` 8 448 B, depths 2 112 B, candidates 16 384 B,
 ``plist``, ``offsets`` and ``newpos`` 12 672 B, the round's first ``min(K, B)`` log-probs

@@ -19,9 +19,9 @@ alike by all, from block-wide sums):
 
 1. The next row ``lp[b, d + 1, :min(K, B)]`` is loaded into registers (``ROW_PER_THREAD`` a
    thread) now and stored to ``lp_row`` at the level's end, after a barrier and with one of
-   its own: its latency overlaps the level. Rows of at most ``ROW_HALF`` (527) ranks, the
-   budgets up to 527 (the targets' 64 and 256), alternate between ``lp_row``'s two halves
-   instead: row ``d + 1``, loaded a level ahead, is stored into the half that row ``d - 1``
+   its own: its latency overlaps the level. Rows of at most ``ROW_HALF`` (528) ranks
+   (``min(K, B) <= 528``: the targets' budgets 64 and 256) alternate between ``lp_row``'s two
+   halves instead: row ``d + 1``, loaded a level ahead, is stored into the half that row ``d - 1``
    held when level ``d`` starts, and the level's own barriers publish it: no store phase and
    no barrier for it.
 2. *Count*: thread ``t`` takes parents ``start + t``, ``start + t + T``, ...; a binary search
@@ -52,7 +52,8 @@ until no two adjacent scores tie or the positions settle. Position ``j`` becomes
 **The radix select** towards the ``k``-th largest key: up to four rounds of 8 bits, most
 significant first; a round zeroes a 256-bin histogram, counts the keys that match the digits
 found so far (shared ``atomic.add``), then one block scan over the bins (highest first) finds
-the bin that holds the ``k``-th key: 3 barriers and a pass over the keys a round. It stops
+the bin that holds the ``k``-th key: 4 barriers (the zeroing, the counts, the scan's, the
+digit) and a pass over the keys a round. It stops
 after the first round whose bin edge leaves at most ``B`` + 32 keys during the levels (the
 model's ``floor_caps``), or ``2^ceil(log2(B + 1)) - 1`` at the end: the edge is a floor too.
 
@@ -81,11 +82,12 @@ THREADS = 32 if SIMULATOR else 512
 # the simulator takes a small list, so that its tests overflow it and cover every path
 CAPACITY = 256 if SIMULATOR else GPU_CAPACITY
 PER_THREAD = CAPACITY // THREADS            # list entries a thread holds in a compaction
-ROW = MAX_NODES                             # a row's staged ranks: < min(K, B) <= 1055
+ROW = MAX_NODES                             # a row's staged ranks: min(K, B) <= 1055 < ROW
 ROW_PER_THREAD = -(-ROW // THREADS)         # next-row values a thread prefetches
 # rows of at most ROW_HALF ranks alternate between the two halves of the row's array (the
 # simulator's is small, so that its tests take both ways)
 ROW_HALF = 16 if SIMULATOR else ROW // 2
+assert 2 * ROW_HALF <= ROW
 BINS = 256                                  # the radix select's 8-bit digits
 SCAN_SCRATCH = block_scan_scratch(THREADS)
 FINITE_FLOOR = uint32(_FINITE_FLOOR)
@@ -405,7 +407,8 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
         lp_row[r] = lp[b, 0, r]
     # rows of at most ROW_HALF ranks alternate between lp_row's halves: row d + 1 is stored
     # at level d's start, from registers loaded a level before, and needs no barrier of its
-    # own (the level's last one publishes it); wider rows take one store and barrier a level
+    # own (the count's, the level's first, publishes it); wider rows take one store and
+    # barrier a level
     halves = width0 <= ROW_HALF
     if halves:
         for q in range(ROW_PER_THREAD):            # row 1, stored at level 0's start

@@ -52,9 +52,10 @@ sit in a few threads' registers, and 0 when a warp has fewer than j threads hold
 then every key passes it and the histogram decides).
 
 Barriers: two for each of the two block reductions (a warp shuffle tree, then one value a
-warp in shared memory), two for the floor, the gather's scan (three) and one after its writes,
-two a histogram round plus the scan's three where a round runs, and the sort's (about 20 at
-512 candidates).
+warp in shared memory), two for the floor, the gather's scan (one: an open scan, closed by the
+barrier after its writes) and that one, two a histogram round plus the digit search's two (its
+open scan's and the one that publishes the digit) where a round runs, and the sort's (about
+20 at 512 candidates).
 
 Precision: the sum is float32 over ``LOGITS_PER_THREAD`` terms a thread, one rescale of it
 (a multiply by an ``ex2``: about three roundings) and a block reduction (``log2 T`` more
