@@ -54,8 +54,8 @@ significant first; a round zeroes a 256-bin histogram, counts the keys that matc
 found so far (shared ``atomic.add``), then one block scan over the bins (highest first) finds
 the bin that holds the ``k``-th key: 4 barriers (the zeroing, the counts, the scan's, the
 digit) and a pass over the keys a round. It stops after the first round whose bin edge leaves
-at most ``B`` + 32 keys during the levels (the model's ``floor_caps``), or ``2^ceil(log2(B +
-1)) - 1`` at the end: the edge is a floor too.
+at most ``B`` + 32 keys during the levels (the model's ``floor_caps``), or
+``2^ceil(log2(B + 1)) - 1`` at the end: the edge is a floor too.
 
 Shared memory: one dynamic block of ``ARENA_BYTES`` (``_device.shared_layout``), seen as one
 array of each type. The list takes 22 528 B (``CAPACITY`` x 11 B),
