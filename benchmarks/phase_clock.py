@@ -9,7 +9,7 @@ is the time of the phase between them, as long as its slowest warp took. Marks o
 threshold select also record which phase ended (a code: ``100 + d`` is level ``d``'s count and
 so on); the list is printed in order.
 
-Three kernels:
+Four kernels:
 
 * ``draft_topk``'s resident part kernel, V 163 840, K 256 and 16, float32. The median over the
   120 blocks of each phase, the number of candidates sorted, and the last block's merge, with
