@@ -10,10 +10,8 @@ from numba import cuda, float32, int32, uint32, uint64
 from ddtree_numba import kernels as K
 from ddtree_numba.kernels._primitives import (
     _bitonic_sort_gpu,
-    _warp_shuffle_scan,
     _warp_shuffle_scan_open,
     bitonic_sort_desc,
-    block_inclusive_scan,
     block_inclusive_scan_open,
     block_max,
     block_sum,
@@ -81,9 +79,9 @@ SCAN_CAP = 1024
 SORT_CAP = 4096
 
 
-def make_scan_kernel(scan, closing_barrier=False):
-    """A kernel that runs ``scan`` twice in a row on one row of ``T`` int32 each time: with
-    scratch reused at once, or (``closing_barrier``, for an open scan) after a barrier."""
+def make_scan_kernel(scan):
+    """A kernel that runs the open ``scan`` twice in a row on one row of ``T`` int32 each
+    time, its own barrier closing each (scratch is written again right after it)."""
 
     @cuda.jit
     def scan_kernel(values, inclusive, totals):
@@ -92,8 +90,7 @@ def make_scan_kernel(scan, closing_barrier=False):
         T = cuda.blockDim.x
         for rep in range(2):
             inc, total = scan(scratch, values[rep, tid], tid, T)
-            if closing_barrier:
-                cuda.syncthreads()
+            cuda.syncthreads()
             inclusive[rep, tid] = inc
             totals[rep, tid] = total
 
@@ -142,20 +139,14 @@ def check_sort(kernel, n, T):
     np.testing.assert_array_equal(keys, want)
 
 
-_scan_kernel = make_scan_kernel(block_inclusive_scan)
-_open_scan_kernel = make_scan_kernel(block_inclusive_scan_open, closing_barrier=True)
+_scan_kernel = make_scan_kernel(block_inclusive_scan_open)
 _sort_kernel = make_sort_kernel(bitonic_sort_desc)
 
 
 @pytest.mark.parametrize("T", [32, 64] if K.SIMULATOR else [32, 64, 256, 512, 1024])
 def test_block_inclusive_scan_every_block_size(T):
+    """The open scan, the caller's barrier closing it."""
     check_scan(_scan_kernel, T, T // 2)
-
-
-@pytest.mark.parametrize("T", [32, 64] if K.SIMULATOR else [32, 64, 256, 512, 1024])
-def test_open_block_scan_every_block_size(T):
-    """The scan without its closing barrier, the caller's barrier closing it."""
-    check_scan(_open_scan_kernel, T, T // 2)
 
 
 @pytest.mark.parametrize("n,T", [(1, 32), (16, 32), (64, 32)] if K.SIMULATOR else
@@ -178,8 +169,8 @@ def test_warp_shuffle_scan_on_emulated_shuffles(T):
     from simulated_warp import emulated_shuffles
 
     with emulated_shuffles():
-        check_scan(make_scan_kernel(_warp_shuffle_scan), T, T // 3)
-        check_scan(make_scan_kernel(_warp_shuffle_scan_open, closing_barrier=True), T, T // 5)
+        check_scan(make_scan_kernel(_warp_shuffle_scan_open), T, T // 3)
+        check_scan(make_scan_kernel(_warp_shuffle_scan_open), T, T // 5)
 
 
 @pytest.mark.skipif(not K.SIMULATOR, reason="the simulator's emulated shuffles")

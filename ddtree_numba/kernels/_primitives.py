@@ -22,25 +22,24 @@ the block must call it and gets the result; it ends with a barrier, so ``red`` m
 once. The ``log2 T`` levels each combine ``red[tid]`` and ``red[tid + half]`` (the same order
 for every call: a float sum is deterministic).
 
-*Block scan.* ``block_inclusive_scan(scratch, value, tid, T)`` returns ``(inclusive, total)``:
-the sum of ``value`` over threads ``0 .. tid`` and over the whole block. It ends with a barrier,
-so ``scratch`` may be reused at once. Two versions with one result:
+*Block scan.* ``block_inclusive_scan_open(scratch, value, tid, T)`` returns ``(inclusive,
+total)``: the sum of ``value`` over threads ``0 .. tid`` and over the whole block. It is *open*:
+it ends without a barrier, so the caller's next barrier must come before anyone writes
+``scratch`` again (every caller stores the sums and publishes them with a barrier of its own,
+which closes the scan; a closing barrier inside the scan would only double it). Two versions
+with one result:
 
 * the simulator's (the readable definition): Hillis-Steele in ``scratch[0:T]``, ``log2 T``
-  steps, each a read, a barrier, an add and a barrier, one before them and one at the end:
-  22 barriers at ``T = 1024`` (21 open);
+  steps, each a read, a barrier, an add and a barrier, one before them: 21 barriers at
+  ``T = 1024``;
 * the GPU's: each warp scans its 32 values in registers (five ``shfl.up`` steps: lane ``i``
   adds the running value of lane ``i - 1``, ``i - 2``, ``i - 4``, ...), lane 31 writes the warp's
   total to ``scratch[warp]``; after a barrier *every* warp scans those ``T / 32`` totals the
   same way (lane ``l`` loads total ``l``), and each thread adds the running total of the warps
-  before its own, shuffled from lane ``warp - 1``; a second barrier ends it. (Warp 0 alone
-  scanning the totals and publishing them in shared memory, as an earlier version did, needs
-  a barrier more: the other warps would wait for it.)
+  before its own, shuffled from lane ``warp - 1``: one barrier. (Warp 0 alone scanning the
+  totals and publishing them in shared memory, as an earlier version did, needs a barrier
+  more, and its closing barrier a third.)
   ``T`` must be a multiple of 32 there (every block that calls it is).
-
-``block_inclusive_scan_open`` is the same scan without its closing barrier, for callers whose
-next barrier comes before anyone writes ``scratch`` again (a scan whose sums are stored and
-then published by a barrier of the caller's own): one barrier a scan on a GPU.
 
 *Bitonic sort.* ``bitonic_sort_desc(keys, n, tid, T)`` sorts ``n`` uint64 keys (a power of two)
 in shared memory, descending, with the bitonic network: for ``size = 2, 4, .., n`` and
@@ -338,7 +337,7 @@ block_sum_f32 = block_sum if SIMULATOR else _block_sum_f32_by_warps
 @cuda.jit(device=True, inline=True)
 def _hillis_steele_scan_open(scratch, value, tid, T):
     """``(inclusive, total)`` of one int32 per thread, in ``scratch[0:T]`` (see above),
-    without the closing barrier."""
+    without a closing barrier."""
     scratch[tid] = value
     cuda.syncthreads()                      # all values in place
     offset = 1
@@ -349,14 +348,6 @@ def _hillis_steele_scan_open(scratch, value, tid, T):
         cuda.syncthreads()                  # the step is complete before the next read
         offset *= 2
     return scratch[tid], scratch[T - 1]
-
-
-@cuda.jit(device=True, inline=True)
-def _hillis_steele_scan(scratch, value, tid, T):
-    """:func:`_hillis_steele_scan_open`, then a barrier: ``scratch`` may be reused at once."""
-    inclusive, total = _hillis_steele_scan_open(scratch, value, tid, T)
-    cuda.syncthreads()                      # all read before scratch is reused
-    return inclusive, total
 
 
 @cuda.jit(device=True, inline=True)
@@ -371,47 +362,35 @@ def warp_inclusive_scan(x, lane):
     return x
 
 
-def _make_shuffle_scan(closing: bool):
-    """The GPU's block scan, with (``closing``) or without its last barrier."""
-
-    @cuda.jit(device=True, inline=True)
-    def scan(scratch, value, tid, T):
-        """``(inclusive, total)`` of one int32 per thread: warps scan in registers, then every
-        warp scans the ``T / 32`` warp totals held in ``scratch[0:T / 32]`` (see above)."""
-        lane = tid & 31
-        warp = tid >> 5
-        warps = T >> 5
-        x = warp_inclusive_scan(int32(value), lane)
-        if lane == 31:
-            scratch[warp] = x               # the warp's total
-        cuda.syncthreads()                  # every warp's total in place
-        # lane l of every warp: the totals of warps 0 .. l (no one writes scratch until the
-        # caller's next barrier, or the closing one below)
-        t = warp_inclusive_scan(scratch[lane] if lane < warps else int32(0), lane)
-        before = cuda.shfl_sync(FULL_MASK, t, (warp - 1) & 31)   # warps 0 .. warp - 1
-        total = cuda.shfl_sync(FULL_MASK, t, warps - 1)
-        if warp > 0:
-            x = int32(x + before)
-        if closing:                         # (a constant: compiled in or out)
-            cuda.syncthreads()              # all read before scratch is reused
-        return x, total
-
-    return scan
+@cuda.jit(device=True, inline=True)
+def _warp_shuffle_scan_open(scratch, value, tid, T):
+    """``(inclusive, total)`` of one int32 per thread: warps scan in registers, then every warp
+    scans the ``T / 32`` warp totals held in ``scratch[0:T / 32]`` (see above). No closing
+    barrier."""
+    lane = tid & 31
+    warp = tid >> 5
+    warps = T >> 5
+    x = warp_inclusive_scan(int32(value), lane)
+    if lane == 31:
+        scratch[warp] = x                   # the warp's total
+    cuda.syncthreads()                      # every warp's total in place
+    # lane l of every warp: the totals of warps 0 .. l (no one writes scratch until the
+    # caller's next barrier)
+    t = warp_inclusive_scan(scratch[lane] if lane < warps else int32(0), lane)
+    before = cuda.shfl_sync(FULL_MASK, t, (warp - 1) & 31)   # warps 0 .. warp - 1
+    total = cuda.shfl_sync(FULL_MASK, t, warps - 1)
+    if warp > 0:
+        x = int32(x + before)
+    return x, total
 
 
-_warp_shuffle_scan = _make_shuffle_scan(True)
-_warp_shuffle_scan_open = _make_shuffle_scan(False)
-
-
-# the simulator has no warp shuffles; on a GPU the same sums with 2 barriers instead of 22
-# (the open scans: 1 instead of 21, the caller's next barrier closing them)
-block_inclusive_scan = _hillis_steele_scan if SIMULATOR else _warp_shuffle_scan
+# the simulator has no warp shuffles; on a GPU the same sums with 1 barrier instead of 21
 block_inclusive_scan_open = _hillis_steele_scan_open if SIMULATOR else _warp_shuffle_scan_open
 
 
 def block_scan_scratch(T: int) -> int:
-    """int32 entries of ``scratch`` that :func:`block_inclusive_scan` (and the open scan)
-    needs for a block of ``T`` threads: one a thread on the simulator (Hillis-Steele), one a
+    """int32 entries of ``scratch`` that :func:`block_inclusive_scan_open` needs for a block
+    of ``T`` threads: one a thread on the simulator (Hillis-Steele), one a
     warp on a GPU, whose scan takes whole warps only (``T`` a multiple of 32, at most 1 024:
     full-mask shuffles, and every warp scans the warp totals)."""
     if not SIMULATOR and (T % 32 or not 32 <= T <= 1024):
