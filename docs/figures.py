@@ -499,10 +499,11 @@ def accept_commit_layout(out: str) -> None:
                  ha="center", fontsize=9)
     ax2.set_yticks(range(rows), [f"slot P + {i}" for i in range(rows)], fontsize=8)
     ax2.set_xlabel(f"cache column (D = {D}: Dc 512 + Dr 64)", fontsize=10)
-    _title(ax2, f"commit_kv: grid (ceil(D / {T_com}), bs), a thread per column of a "
-                  f"request. Accepted path {path}:\nrows P + {path[1:]} move to P + 1 .. P + "
-                  f"{len(path) - 1}. Thread 100 (black) reads column 100 of every source,\n"
-                  f"then writes them, ascending. A warp moves 128 bytes of a row (float32)")
+    _title(ax2, f"commit_kv: grid (ceil(D / {T_com}), bs, layers), a thread per column of "
+                  f"a request's layer. Accepted path {path}:\nrows P + {path[1:]} move to "
+                  f"P + 1 .. P + {len(path) - 1}. Thread 100 (black) reads column 100 of "
+                  f"every source,\nthen writes them, ascending. A warp moves 128 bytes of a "
+                  f"row (float32)")
     fig.savefig(os.path.join(out, "layout_accept_commit.png"), dpi=100, bbox_inches="tight")
     plt.close(fig)
 

@@ -7,7 +7,8 @@ imported: the GPU when a CUDA driver and device are present, else the simulator 
 on stderr). ``DDTREE_BACKEND=gpu`` or ``simulator`` (or numba's own ``NUMBA_ENABLE_CUDASIM=1``)
 chooses explicitly. The same kernels run either way. The simulator runs each CUDA thread as a
 Python thread: slow, tiny sizes only, no warp intrinsics and no bfloat16, so every kernel keeps a
-simulator-runnable variant and the fast variants are checked on a GPU.
+simulator-runnable variant and the fast variants are checked on a GPU (a few warp-level kernels
+are also tested on the simulator, on warp intrinsics that ``tests/simulated_warp.py`` emulates).
 """
 
 # %%

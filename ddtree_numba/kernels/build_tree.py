@@ -1,6 +1,12 @@
 """GPU best-first tree builder: ``kernels.build_tree``, bit-exact to ``reference.build_tree``.
 
-The reference keeps the frontier in a heap. Two facts make a heap unnecessary on the GPU:
+Which select runs: ``"corners"`` below budget ``THRESHOLD_FROM_BUDGET`` (128), ``"threshold"``
+from there on (no pops at all: every node above a rising floor, level by level; see
+:mod:`ddtree_numba.kernels.build_tree_threshold`), ``"scan"`` on the simulator. The others
+(``"warp"``, ``"levels"``) are asked for by name; ``"levels"`` is also the threshold select's
+fall-back where ties crowd its list. This module holds the pop-based selects and the launcher.
+
+The reference keeps the frontier in a heap. Two facts make a heap unnecessary for the pops:
 
 1. **One pending candidate per node.** Candidate ``(p, r + 1)`` is pushed only when ``(p, r)``
    is popped, so every taken node ``p`` has at most one candidate waiting: its next unexpanded
@@ -12,16 +18,19 @@ The reference keeps the frontier in a heap. Two facts make a heap unnecessary on
 
 Launches (one batch, no host synchronisation, no per-request Python loop)::
 
-    select kernel   grid (bs,)                  one request per block: the sequential pops
-    finish kernel   grid (ceil(N / 32), bs)     32 tree rows per block: tokens, positions,
-                                                visibility_bits, visibility, in parallel
+    select kernel   grid (bs,)                  one request per block: the select
+    finish kernel   grid (ceil(N / rows), bs)   ``rows`` tree rows per block (``finish_rows``:
+                                                32, fewer where the grid would not fill the
+                                                SMs): tokens, positions, visibility_bits,
+                                                visibility, in parallel
                                                 (:mod:`ddtree_numba.kernels.build_tree_finish`)
 
 Select, variant ``"scan"`` (readable; the simulator path): one thread per request; each pop
 scans ``cand[0:count]`` for the arg-max, ``O(count)`` per pop and ``O(B^2)`` per tree.
 
-Select, variant ``"corners"`` (the default on a GPU): the pops searched over the frontier's
-corners only, held in one warp's registers; :mod:`ddtree_numba.kernels.build_tree_corners`.
+Select, variant ``"corners"`` (the default on a GPU below budget 128): the pops searched over
+the frontier's corners only, held in one warp's registers;
+:mod:`ddtree_numba.kernels.build_tree_corners`.
 
 Select, variant ``"warp"`` (GPU sm_80+, needs warp intrinsics): a two-level tournament
 run by one warp. Scores are compared as *orderable keys* (float32 bits mapped to uint32 so that

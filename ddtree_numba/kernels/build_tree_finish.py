@@ -50,6 +50,8 @@ FINISH_ROWS = 32                    # tree rows a block of the finish kernel tak
 FINISH_THREADS = 32 if SIMULATOR else 128   # the simulator runs one Python thread per thread
 FINISH_STAGE = -(-MAX_NODES // FINISH_THREADS)  # parents a thread stages (9 on a GPU)
 FINISH_FILL = 2                     # blocks an SM below which finish_rows halves the rows
+# thread t < rows of a block writes row i0 + t's token and position: a block has a thread a row
+assert FINISH_ROWS <= FINISH_THREADS
 ROW_WORDS_MAX = -(-MAX_NODES // 64)         # uint64 words of the widest row (17)
 FINISH_WORDS = FINISH_ROWS * ROW_WORDS_MAX  # the finish kernel's row bits (4 352 B)
 LOW = uint64(0xFFFFFFFF)

@@ -22,7 +22,7 @@ where a plain strided loop keeps one, and the order of the fold is unchanged.
   the fixed order);
 * the final sum and ``probs = w / sum`` for the kept tokens, 0 elsewhere.
 
-:func:`row_distribution` computes these numbers of one row and :func:`probability` turns a
+``row_distribution`` computes these numbers of one row and ``probability`` turns a
 logit into its probability with them: ``kernels.tree_sample_logits`` calls the same two on
 just the rows its walk visits, so its probabilities are these, bit for bit.
 

@@ -4,16 +4,28 @@ The walk is inherently sequential (follow the matching child, level by level), b
 most ``L`` levels, each a scan of one sibling list. What makes it slow on a GPU is latency, one
 dependent global load per link followed. So each request gets one block that
 
-1. stages its four ``int32[N]`` rows (tokens, first child, next sibling, target prediction)
-   into shared memory with coalesced loads by all threads          (4 N reads per request);
-   each node's next sibling is stored beside its token in one ``uint64`` entry (``link``).
-   Thread ``t`` holds entries ``t``, ``t + T`` and ``t + 2 T`` (``T`` threads): all twelve
-   loads are issued (``load_rows``) before the first is stored, so the staging costs one
-   DRAM latency, not one per round of a load-then-store loop;
+1. stages the request's four ``int32[N]`` input rows (tokens, first child, next sibling,
+   target prediction) into shared memory with coalesced loads by all threads (4 N reads per
+   request). Thread ``t`` loads entries ``t``, ``t + T`` and ``t + 2 T`` (``T`` threads; at
+   ``T = 1024`` the third is past ``N`` and loads nothing, ``accept_commit``'s 512 threads
+   need it): all twelve loads are issued (``load_rows``) before the first is stored, so the
+   staging costs one DRAM latency, not one per round of a load-then-store loop;
 2. walks the lists from the root in thread 0, in shared memory: a sibling tried is one 8-byte
    load (``link``: its token and its next sibling side by side), issued at a clamped index
    while the link's range test runs beside it
 3. writes ``accept_nodes`` / ``accept_tokens`` rows with all threads    (2 N writes)
+
+Shared memory, ``MAX_NODES`` (1 056) entries each; thread ``t`` stores entries ``t``,
+``t + T``, ``t + 2 T`` of the first four, thread 0 writes ``path`` and ``result``::
+
+    tok      int32    4.2 KB   node tokens (the walk's matches and the write-out)   kernel
+    first    int32    4.2 KB   first child                                          greedy_walk
+    link     uint64   8.4 KB   (next sibling << 32) | token: one load a sibling     greedy_walk
+    pred     int32    4.2 KB   the target's prediction at each node                 greedy_walk
+    path     int32    4.2 KB   the accepted nodes, root first                       kernel
+    result   int32[2]          k (accepted draft nodes) and the bonus token         kernel
+                     -------
+                     25.4 KB   (the last column: where it is declared)
 
 Grid ``(bs,)``, block ``(ACCEPT_THREADS,)``; ``N <= 1056`` (the static shared-memory rows).
 Links outside ``[1, N)`` end a list, the walk follows at most ``N`` links and accepts at most

@@ -123,7 +123,8 @@ def _checked_steps(step: GreedyStep, model: ToyMLA, starts, reference_step, own:
         for b in range(step.bs):
             k = int(accept.accept_len[b])
             n = int(tree.num_nodes[b])
-            out(f"step {s} req {b}: tree {n - 1:3d} nodes, depth {int(tree.depths[b, :n].max())}; "
+            depth = int(tree.depths[b, :n].max())
+            out(f"step {s} req {b}: tree {n - 1:3d} draft nodes, depth {depth}; "
                 f"accepted {k} (path {accept.accept_nodes[b, : k + 1].tolist()}) -> tokens "
                 f"{accept.accept_tokens[b, : k + 1].tolist()}")
         history.append({"tree": tree, "accept": accept})
