@@ -5,11 +5,14 @@ The simulator must be chosen before numba is imported, so this root conftest set
 
 * ``pytest``                  -> simulator (CPU only; ``gpu``-marked tests are skipped)
 * ``DDTREE_GPU=1 pytest``     -> the same suite on the real GPU, plus the ``gpu`` tests
+
+``DDTREE_BACKEND=gpu`` (the package's own switch) selects the GPU here too.
 """
 
 import os
 
-ON_GPU = os.environ.get("DDTREE_GPU", "0") == "1"
+ON_GPU = (os.environ.get("DDTREE_GPU", "0") == "1"
+          or os.environ.get("DDTREE_BACKEND", "").strip().lower() == "gpu")
 os.environ["NUMBA_ENABLE_CUDASIM"] = "0" if ON_GPU else "1"
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # One BLAS thread per worker process (and the subprocesses it starts), set before numpy
