@@ -112,18 +112,22 @@ if [ "$what" = targets ]; then   # the DDTree stages' target tables, in one devi
         | tee "$OUT/bench_ddtree_part.log" | grep -v "^{" | tail -6
 fi
 if [ "$what" = ab ]; then   # a baseline tree's package, then this tree's, in one command
-    # Usage: AB_BASE=<tree> bash benchmarks/run_gpu.sh ab [draft_topk [BS]|accept_commit]
+    # Usage: AB_BASE=<tree> bash benchmarks/run_gpu.sh ab [draft_topk [BS]|accept_commit|build_tree]
     # draft_topk: the --targets rows at bs BS (64 by default: the one-pass kernel; 1: the
-    # resident one); accept_commit: bench_small_kernels' accept_commit table. The baseline is a copy of the package at an earlier commit, made
+    # resident one); accept_commit: bench_small_kernels' accept_commit table; build_tree:
+    # bench_build_tree.py --quick (every select). The baseline is a copy of the package at an earlier commit, made
     # before the device run and carried to it:
     #   mkdir -p .ab/base && git archive <commit> ddtree_numba | tar -x -C .ab/base
     #   run(command="AB_BASE=.ab/base bash benchmarks/run_gpu.sh ab", carry=[".whl", ".ab"])
     # Both runs use this tree's benchmark scripts (the package's public calls are the same),
     # in one device command, so that the two tables come from the same machine and lease.
+    script=bench_small_kernels.py
     case ${2:-draft_topk} in
         draft_topk) args="--targets --draft-topk-only --bs ${3:-64}" ;;
         accept_commit) args="--accept-commit-only" ;;
-        *) echo "run_gpu.sh ab: expected draft_topk or accept_commit, got $2" >&2; exit 2 ;;
+        build_tree) script=bench_build_tree.py args="--quick" ;;
+        *) echo "run_gpu.sh ab: expected draft_topk, accept_commit or build_tree, got $2" >&2
+           exit 2 ;;
     esac
     for tree in "${AB_BASE:?AB_BASE: the baseline tree, see above}" "$PWD"; do
         name=$([ "$tree" = "$PWD" ] && echo this || echo base)
@@ -131,8 +135,8 @@ if [ "$what" = ab ]; then   # a baseline tree's package, then this tree's, in on
         mkdir -p "$OUT/$name"
         # shellcheck disable=SC2086  # $args is meant to split into arguments
         (cd benchmarks && PYTHONPATH=$site$root OUT="$OUT/$name" \
-            timeout 270 python3 bench_small_kernels.py $args) 2>&1 \
-            | tee "$OUT/$name/bench_small_kernels.log" | grep -v "^{" | tail -10
+            timeout 270 python3 $script $args) 2>&1 \
+            | tee "$OUT/$name/${script%.py}.log" | grep -v "^{" | tail -16
     done
 fi
 if [ "$what" = small ]; then
