@@ -428,6 +428,63 @@ def build_tree_layout(out: str) -> None:
     plt.close(fig)
 
 
+def build_tree_threshold_layout(out: str) -> None:
+    """One level of the threshold select on a real tree: each parent's count (the count
+    phase), then which thread writes which of the level's children (the expansion)."""
+    from ddtree_numba import reference as ref
+    from ddtree_numba.reference.build_tree_threshold import best_first_by_threshold
+
+    plt = _plt()
+    T = _gpu_value(_kernel_module("build_tree_threshold"), "THREADS")
+    L, B = 15, 256                          # bench_build_tree.py's kind of rows
+    x = (np.random.default_rng(0).standard_normal((1, L, B + 16)) * 3).astype(np.float32)
+    lp, _ = ref.draft_topk(x, B)
+    _, stats = best_first_by_threshold(lp[0], B)
+    d, counts = max(enumerate(stats["levels"]), key=lambda e: sum(e[1]))   # the widest level
+    counts = np.array(counts)
+    P, M = len(counts), int(counts.sum())
+    per = -(-M // T) | 1                    # the kernel's run a thread (_expand): odd
+    sums = np.cumsum(counts)
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 6.8),
+                                  gridspec_kw={"height_ratios": [3, 2], "hspace": 1.0})
+    ax.bar(np.arange(P), counts, width=1.0, color=[_WARP_COLOURS[(u // 32) % 8]
+                                                   for u in range(P)], edgecolor="none")
+    ax.set_xlabel(f"parent u of depth {d} (its index in the level); colours: the warp whose "
+                  f"thread u counts it", fontsize=9)
+    ax.set_ylabel("children at or above the floor", fontsize=9)
+    ax.set_xlim(-0.5, P - 0.5)
+    _title(ax, f"build_tree, threshold select, one level of a real tree (B {B}, L {L}, the "
+               f"widest level: {P} parents, {M} children). Count: thread u (of T = {T}) "
+               f"counts parent u's children at or above the floor with a binary search of "
+               f"the next row's log-probs; a block scan turns the counts into inclusive sums "
+               f"(child j of the level belongs to the parent whose sums bracket j).")
+    # two warps' runs of children, from a warp's first child where parents are a few wide
+    shown = 64 * per
+    j0 = int(sums[7]) // (32 * per) * (32 * per)
+    j = np.arange(j0, j0 + shown)
+    parent_of = np.searchsorted(sums, j, side="right")
+    strip = np.ones((2, shown, 3))
+    strip[0] = np.where((parent_of % 2 == 0)[:, None], (0.55, 0.55, 0.55), (0.85, 0.85, 0.85))
+    writer = j // per
+    strip[1] = plt.matplotlib.colors.to_rgba_array(
+        [_WARP_COLOURS[(w // 32) % 2] for w in writer])[:, :3]
+    picked = j0 // per + 37
+    strip[1, writer == picked] = 0.0
+    ax2.imshow(strip, aspect="auto", interpolation="nearest",
+               extent=(j0 - 0.5, j0 + shown - 0.5, 1.5, -0.5))
+    ax2.set_yticks([0, 1], ["parent", "writer"], fontsize=9)
+    ax2.set_xlabel(f"child j of the level (list entry n + j; {shown} of its {M})", fontsize=9)
+    _title(ax2, f"Expand: the children lie parent after parent (top: parents {parent_of[0]} "
+                f"to {parent_of[-1]}, alternate greys). Thread t writes children t s .. t s + "
+                f"s - 1, s = ceil(M / T) made odd = {per}: its first parent by a binary search "
+                f"over the sums, each next one by a step. Bottom: the writers, a colour a warp, "
+                f"thread {picked} black. A warp a parent would have left parent 0's "
+                f"{counts[0]} children to one warp.")
+    fig.savefig(os.path.join(out, "layout_build_tree_threshold.png"), dpi=100,
+                bbox_inches="tight")
+    plt.close(fig)
+
+
 def draft_topk_layout(out: str) -> None:
     """draft_topk: one block per row of logits; T threads stride over V, UNROLL loads each."""
     plt = _plt()
@@ -611,6 +668,7 @@ def generate(out: str) -> None:
     performance_figures(out)
     verify_attn_layout(out)
     build_tree_layout(out)
+    build_tree_threshold_layout(out)
     draft_topk_layout(out)
     accept_commit_layout(out)
     accept_commit_fused_layout(out)

@@ -53,6 +53,21 @@ def test_equals_the_reference_on_every_kind_size_and_capacity(kind):
         assert seen["fallback"] > 0           # ties crowded a small list
 
 
+def test_levels_stats_are_the_counts_of_each_level():
+    """``stats["levels"]`` (the docs' picture of a level reads it): without a floor rise, level
+    0 is the root's count alone, each next level has one parent for each child of the last,
+    and the counts add up to the nodes listed."""
+    rng = np.random.default_rng(11)
+    lp = sorted_rows(rng, 3, 8, "log_softmax")     # at most 1 + 8 + 64 + 512 nodes: no rise
+    got, stats = best_first_by_threshold(lp, 40, capacity=4096)
+    assert got is not None and stats["selects"] == 0
+    levels = stats["levels"]
+    assert len(levels[0]) == 1 and 2 <= len(levels) <= 3
+    for before, after in zip(levels, levels[1:], strict=False):
+        assert len(after) == sum(before)
+    assert 1 + sum(map(sum, levels)) == stats["most"]
+
+
 @pytest.mark.parametrize("kind", ("random", "log_softmax", "zeros", "ties"))
 def test_large_budgets_at_the_gpu_capacity(kind):
     rng = np.random.default_rng(7)

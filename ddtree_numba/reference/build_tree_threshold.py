@@ -157,14 +157,15 @@ def best_first_by_threshold(lp: np.ndarray, budget: int, capacity: int = CAPACIT
         floor crowd the list (the kernel's fall-back). ``stats``: a dict with ``selects`` (the
         floor's rises before the end), ``end`` (whether it rose at the end), ``rounds`` (the
         radix rounds of every rise, the end's included), ``most`` (the most nodes the list
-        held) and ``sorts``.
+        held), ``sorts``, and ``levels``: for each level expanded, the children each of its
+        parents got (the counts the kernel scans).
     """
     L, K = lp.shape
     B = int(budget)
     # the list: the root, then every node found at or above the floor, in level order
     score = [np.float32(0.0)]
     parent, rank, depth, mult = [-1], [-1], [0], [1]
-    stats = {"selects": 0, "end": False, "rounds": 0, "most": 1, "sorts": 0}
+    stats = {"selects": 0, "end": False, "rounds": 0, "most": 1, "sorts": 0, "levels": []}
     mid_cap, end_cap = floor_caps(B, capacity)
     floor = FINITE_FLOOR
     start = 0                                   # the first node of the depth being expanded
@@ -215,6 +216,7 @@ def best_first_by_threshold(lp: np.ndarray, budget: int, capacity: int = CAPACIT
         n = len(score)
         if n + sum(counts) > capacity:          # 3. ties at the floor crowd the list
             return None, stats
+        stats["levels"].append(counts)
         for p, c in zip(range(start, n), counts, strict=True):
             for r in range(c):                  # each parent's children, in rank order
                 score.append(np.float32(score[p] + lp[d, r]))
