@@ -145,7 +145,7 @@ def corners_select_kernel(P: int):
         lp_cache = cuda.shared.array(LP_CACHE, float32)
         count_s = cuda.shared.array(1, int32)
 
-        # 1. set-up by the whole block: empty lists, the root, log-probs staged
+        # Set-up by the whole block: empty lists, the root, log-probs staged
         R = min(K, LP_CACHE // L)                   # cached ranks per depth row
         for i in range(tid, NODE_CAPACITY, SELECT_THREADS):
             node[TAKEN, i] = 0
@@ -332,7 +332,7 @@ def corners_select_kernel(P: int):
                 count_s[0] = count
         cuda.syncthreads()                          # the tree is complete before write-out
 
-        # 6. coalesced write-out of rows [0, N), padding included
+        # Coalesced write-out of rows [0, N), padding included
         write_node_table(b, tid, count_s[0], node[PARENT], node[DEPTH], score,
                          node[FIRST_CHILD], node[NEXT_SIB], node[RANK], parents, depths,
                          log_weights, next_token, next_sibling, ranks, num_nodes)
