@@ -58,9 +58,11 @@ So a pop's chain is two dependent rounds of shared-memory loads, one ``syncwarp`
 arithmetic on registers; the two ``redux`` run beside the loads instead of leading the
 chain. No shared-memory frontier and no rescan.
 
-Unchecked input that breaks the rules (a log-prob ``> 0``, NaN) can break the staircase; the
-tree is then wrong, but every index stays in bounds: ranks stay below ``K``, depths below
-``L``, nodes below the budget, and a corner with no empty slot left is dropped.
+Unchecked input that breaks the rules (a log-prob ``> 0``, NaN) breaks the argument that the
+next pop is a corner's candidate: the tree is then wrong, but every index stays in bounds
+(ranks stay below ``K``, depths below ``L``, nodes below the budget). The number of corners
+stays within ``32 P`` whatever the scores, since only corners pop and the bound counts children
+alone; a corner that found no empty slot would be dropped, not written out of bounds.
 
 Shared memory (static, per block)::
 
