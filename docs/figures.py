@@ -485,6 +485,73 @@ def build_tree_threshold_layout(out: str) -> None:
     plt.close(fig)
 
 
+def _finish_writers(N: int, i0: int, rows: int, threads: int, head: int = 0):
+    """Which thread of a finish block writes each byte of its rows of the bool mask, and
+    whether as part of a ``uint64`` word (else alone): ``write_rows``'s index math restated,
+    for request 0 with the mask starting ``head`` bytes before an 8-byte boundary."""
+    first, end = i0 * N, (i0 + rows) * N
+    q_lo = (first - head + 7) // 8
+    q_hi = max(q_lo, (end - head) // 8)
+    thread = np.full(rows * N, -1)
+    in_word = np.zeros(rows * N, bool)
+    for q in range(q_lo, q_hi):                         # words: thread (q - q_lo) % threads
+        g = head + 8 * q - first
+        thread[g:g + 8] = (q - q_lo) % threads
+        in_word[g:g + 8] = True
+    lead_end = head + 8 * q_lo if q_hi > q_lo else end
+    tail = head + 8 * q_hi if q_hi > q_lo else end
+    for start, stop in ((first, lead_end), (tail, end)):  # single bytes: thread g - start
+        for g in range(start, stop):
+            thread[g - first] = (g - start) % threads
+    assert (thread >= 0).all(), "a byte of the block's rows has no writer"
+    return thread.reshape(rows, N), in_word.reshape(rows, N)
+
+
+def build_tree_finish_layout(out: str) -> None:
+    """The finish kernel's bool mask: which thread writes which byte, at 32 rows a block (bs
+    64) and at one row a block (bs 1), from write_rows' index math and the module's
+    constants."""
+    plt = _plt()
+    fin = _kernel_module("build_tree_finish")
+    T, rows_max = _gpu_value(fin, "FINISH_THREADS"), fin.FINISH_ROWS
+    N = 257                                             # budget 256
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 8.2),
+                                  gridspec_kw={"height_ratios": [3, 2], "hspace": 0.6})
+    rows64 = fin.finish_rows(64, N, 132)
+    thread, in_word = _finish_writers(N, 0, rows64, T)
+    _warp_image(ax, thread // 32, thread == 37, f"column a (of N = {N})",
+                f"row i0 + r (a block's {rows64} rows)",
+                f"build_tree finish, bs 64, budget 256: {rows64} rows a block ({T} threads). "
+                f"After each thread walked its row's path into shared bits, the block writes "
+                f"its rows' bool mask, one contiguous run of {rows64 * N} bytes, as uint64 "
+                f"words: thread t writes words t, t + {T}, ... (colours: warps; black: thread "
+                f"37, eight bytes a word, {T * 8} bytes apart).", T // 32)
+    rows1 = fin.finish_rows(1, N, 132)
+    blocks = 4
+    head = 3                                            # a mask 3 bytes before a boundary
+    stripes = [_finish_writers(N, i0, rows1, T, head) for i0 in range(blocks)]
+    thread1 = np.concatenate([t for t, _ in stripes])
+    word1 = np.concatenate([w for _, w in stripes])
+    img = plt.matplotlib.colors.to_rgba_array(                 # one colour a thread here
+        [_WARP_COLOURS[t % 2] for t in thread1.ravel()])[:, :3].reshape(blocks * rows1, N, 3)
+    img[~word1] = (0.35, 0.35, 0.35)
+    img[word1 & (thread1 == 5)] = 0.0
+    ax2.imshow(img, aspect="auto", interpolation="nearest")
+    ax2.set_yticks(range(blocks * rows1), [f"block {i}: row {i}" for i in range(blocks)],
+                   fontsize=8)
+    ax2.set_xlabel(f"column a (of N = {N})", fontsize=10)
+    _title(ax2, f"bs 1: {rows1} row a block (finish_rows: {-(-N // rows1)} blocks spread over "
+                f"the SMs, where 32-row blocks made {-(-N // rows_max)}). A row of {N} bytes "
+                f"starts anywhere in an 8-byte word (here the mask starts {head} bytes before "
+                f"a boundary): the bytes before a row's first whole word and after its last "
+                f"(dark grey) go one by one, the rest as words, a thread each (alternate "
+                f"colours; thread 5 black): {N // 8} words or so, so warp 0 writes them and "
+                f"the block's other {T // 32 - 1} warps have none.")
+    fig.savefig(os.path.join(out, "layout_build_tree_finish.png"), dpi=100,
+                bbox_inches="tight")
+    plt.close(fig)
+
+
 def draft_topk_layout(out: str) -> None:
     """draft_topk: one block per row of logits; T threads stride over V, UNROLL loads each."""
     plt = _plt()
@@ -669,6 +736,7 @@ def generate(out: str) -> None:
     verify_attn_layout(out)
     build_tree_layout(out)
     build_tree_threshold_layout(out)
+    build_tree_finish_layout(out)
     draft_topk_layout(out)
     accept_commit_layout(out)
     accept_commit_fused_layout(out)
