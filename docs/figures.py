@@ -428,6 +428,68 @@ def build_tree_layout(out: str) -> None:
     plt.close(fig)
 
 
+def build_tree_corners_layout(out: str) -> None:
+    """The corners select at one pop of a real tree: each level's staircase of taken children
+    (parents in pop order as rows), the corners whose candidates the warp holds, the pop and
+    the runner-up."""
+    from ddtree_numba.reference.build_tree import best_first
+
+    plt = _plt()
+    L, K, count = 15, 8, 30
+    rng = np.random.default_rng(7)                  # a peaked drafter: a tree 5 levels deep
+    with np.errstate(divide="ignore"):              # a probability 0 is a -inf log-prob
+        lp = np.sort(np.log(rng.dirichlet(np.full(64, 0.05), size=L)).astype(np.float32),
+                     axis=1)[:, ::-1][:, :K].copy()
+    parents, depths, _, scores = best_first(lp, count - 1)      # nodes 0 .. count - 1
+    taken = np.bincount(np.array(parents[1:]), minlength=count)
+    cands = {}                                                  # corner u -> its score
+    levels = [[u for u in range(count) if depths[u] == d] for d in range(L)]
+    for level in levels:
+        for j, u in enumerate(level):
+            if (depths[u] < L and taken[u] < K and (j == 0 or taken[level[j - 1]] > taken[u])
+                    and np.isfinite(scores[u] + lp[depths[u], taken[u]])):
+                cands[u] = np.float32(scores[u] + lp[depths[u], taken[u]])
+    order = sorted(cands, key=lambda u: (-cands[u], u))         # largest, then smallest node
+    pop, runner_up = order[0], order[1]
+    assert best_first(lp, count)[0][count] == pop, "the corners' best is not the next pop"
+    shown = [d for d in range(L) if levels[d]][:5]
+    fig, axes = plt.subplots(1, len(shown), figsize=(8, 4.2),
+                             gridspec_kw={"width_ratios": [max(len(levels[d]), 1)
+                                                           for d in shown]})
+    for ax, d in zip(axes, shown, strict=True):
+        level = levels[d]
+        img = np.ones((K, len(level), 3))
+        for j, u in enumerate(level):
+            img[:taken[u], j] = (0.65, 0.81, 0.89)              # taken children
+            if taken[u] < K:
+                img[taken[u], j] = (1.0, 0.85, 0.55) if u in cands else (0.85, 0.85, 0.85)
+        ax.imshow(img, aspect="auto", interpolation="nearest", origin="lower")
+        for u, colour in ((pop, "red"), (runner_up, "darkorange")):
+            if u in level:
+                ax.plot(level.index(u), taken[u], marker="*", markersize=16, color=colour,
+                        markeredgecolor="k")
+        ax.set_xticks(range(len(level)), [str(u) for u in level], fontsize=7, rotation=90)
+        ax.set_xlabel(f"depth {d}", fontsize=8)
+        ax.set_yticks(range(K))
+        ax.tick_params(labelsize=7)
+    axes[0].set_ylabel("child rank", fontsize=9)
+    fig.supxlabel("the parents of each depth, by node index (pop order)", fontsize=9, y=-0.04)
+    fig.suptitle("\n".join([
+        f"build_tree, corners select, after {count} pops of a real tree (L {L}, K {K}). Blue: "
+        f"children taken;",
+        "each parent's next candidate is the cell above its column: orange where the parent "
+        "is a corner",
+        "(the first of its depth, or its predecessor has more children), grey where the "
+        "predecessor's",
+        f"candidate dominates it. Warp 0 holds the {len(cands)} corners' candidates in "
+        "registers. Red star: the next pop;",
+        "orange star: the runner-up, which the warp reduces while the pop's loads are on "
+        "their way."]), fontsize=9, x=0.02, ha="left", y=1.12)
+    fig.savefig(os.path.join(out, "layout_build_tree_corners.png"), dpi=100,
+                bbox_inches="tight")
+    plt.close(fig)
+
+
 def build_tree_threshold_layout(out: str) -> None:
     """One level of the threshold select on a real tree: each parent's count (the count
     phase), then which thread writes which of the level's children (the expansion)."""
@@ -735,6 +797,7 @@ def generate(out: str) -> None:
     performance_figures(out)
     verify_attn_layout(out)
     build_tree_layout(out)
+    build_tree_corners_layout(out)
     build_tree_threshold_layout(out)
     build_tree_finish_layout(out)
     draft_topk_layout(out)
