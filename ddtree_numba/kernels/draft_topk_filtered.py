@@ -220,6 +220,8 @@ def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
     # hi < lo only where every held key is below the floor (NaNs, see above): no key is in
     # range, the new floor is lo and the keep pass drops them all
     span = uint32(hi - lo) if hi >= lo else uint32(0)
+    # the smallest shift with (span >> shift) < 256 = WARP_BINS: span has 32 - clz bits,
+    # of which the top 8 stay
     shift = uint32(max(0, 24 - cuda.clz(span))) if span > 0 else uint32(0)
     above = 0                               # held keys above [lo, hi]
     b = 0
@@ -233,8 +235,9 @@ def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
             if lo <= key and key <= hi:
                 cuda.atomic.add(hist, hbase + int32(uint32(key - lo) >> shift), 1)
         cuda.syncwarp()                     # counted before the scan reads
-        # lane l sums bins 255 - 8 l .. 248 - 8 l (the top bins first); a warp scan of those
-        # sums finds the lane whose bins hold the need-th key counted from the top
+        # lane l sums bins 255 - 8 l .. 248 - 8 l (the top bins first: 8 = WARP_BINS / 32
+        # bins a lane); a warp scan of those sums finds the lane whose bins hold the
+        # need-th key counted from the top
         first = WARP_BINS - 1 - 8 * lane
         local = 0
         for q in range(8):
@@ -259,6 +262,8 @@ def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
         b = cuda.shfl_sync(FULL_MASK, b, src)           # the bin, and the keys above it
         run = cuda.shfl_sync(FULL_MASK, run, src)
         in_bin = cuda.shfl_sync(FULL_MASK, hist[hbase + b], src)
+        # close enough: an edge that keeps at most 32 keys more than need spares a round,
+        # and leaves the set at least WARP_CAP - FILTER_MAX_K - 32 free slots
         if shift == 0 or run + in_bin <= need + 32:
             break
         above = run                         # refine: the next 8 bits of bin b
@@ -284,10 +289,11 @@ def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
 
 @cuda.jit(device=True, inline=True)
 def _compact_and_share(buf, base, n, floor, need, hist, hbase, lane, lanes_below, floor_b):
-    """``_compact``, then the new floor shared with the block (a shared atomic max: a
-    warp's floor is valid for all where the warp's own is, i.e. always without a guessed
-    floor, and under one as far as the guess is, which the end checks) and the filter's new
-    cut, ``max(own floor, the block's)``. Returns ``(new n, new floor, cut)``."""
+    """Warp-collective (all 32 lanes, uniform arguments; every lane makes the same atomic,
+    which is harmless). ``_compact``, then the new floor shared with the block (a shared
+    atomic max: a warp's floor is valid for all where the warp's own is, i.e. always without
+    a guessed floor, and under one as far as the guess is, which the end checks) and the
+    filter's new cut, ``max(own floor, the block's)``. Returns ``(new n, new floor, cut)``."""
     n, floor = _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below)
     cuda.atomic.max(floor_b, 0, floor)
     return n, floor, _cut_of(max(floor, floor_b[0]))
@@ -310,6 +316,7 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | No
     # 8-byte loads a lane a tile: 2 * WORDS logits for either type (bfloat16 with 4 * WORDS
     # would hold 32 logits a lane in registers twice over and spill on sm_90)
     LOADS = 2 * WORDS // per_word
+    # -inf in every logit of a word (the value a word past the slice reads as)
     neg_inf_word = uint64(0xFF80FF80FF80FF80) if bf16 else uint64(0xFF800000FF800000)
     _, select_top = _select_top(bf16)
 
@@ -347,6 +354,8 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | No
         sample = FILTER_THREADS * LOADS * per_word
         if not guess or n_words < LOADS * FILTER_THREADS:
             return 0
+        # ceil((2 kk S / logits + 2) / 9) in integers: (2 kk S + 2 logits) / (9 logits),
+        # rounded up by 9 logits - 1 (whence the 11)
         r = (2 * kk * sample + 11 * logits - 1) // (9 * logits)
         return r if r <= GUESS_MAX_RANK else 0
 
@@ -424,6 +433,8 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | No
         mine = cuda.popc(passing)
         if cuda.ballot_sync(FULL_MASK, mine > 0) == 0:
             return m, s, n, floor, False    # (uniform: the whole warp skips)
+        # end: the lanes' inclusive sums of passing logits; lane 31's (arriving) is the
+        # warp's. A compaction needs n > kk (it keeps at least the kk largest)
         end = warp_inclusive_scan(int32(mine), lane)
         arriving = cuda.shfl_sync(FULL_MASK, end, 31)
         if n + arriving > WARP_CAP and n > kk:
@@ -501,7 +512,8 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | No
             floor_b[0] = uint32(0)          # key 0: below every logit (no floor yet)
             counts[WARPS] = 0               # the overflow flag
             slice_lo[0] = wlo               # the slice's start, for the fallback (below)
-            floor_b[1] = uint32(0xFFFFFFFF) if r > 0 else uint32(0)     # the guessed floor
+            # the guessed floor: the atomic min's start, lowered by each warp's guess
+            floor_b[1] = uint32(0xFFFFFFFF) if r > 0 else uint32(0)
         cuda.syncthreads()                  # block state reset before any warp reads it
 
         m = NEG_INF
@@ -608,7 +620,9 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | No
                 need -= result[1]
                 edge = uint32(lo + (uint32(result[0]) << shift))
                 ties = result[2]
-                cuda.syncthreads()          # everyone read result before it is reused
+                cuda.syncthreads()          # everyone read result before it is reused (the
+                                            # next level's two barriers would order that
+                                            # too; this one is older than they are)
                 if kk - need + ties <= TOP_CAP or shift == 0:
                     break
                 lo = edge                   # refine: the bin's keys [edge, edge + 2**shift)
@@ -648,7 +662,8 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | No
     def shared_state():
         """The kernel's shared arrays, one a line (the simulator tells them apart by line):
         ``(buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, tops, floor_b,
-        slice_lo)``, 47 KiB on a GPU."""
+        slice_lo)``: 47 232 B on a GPU (46.1 KiB, under numba's 48 KiB of static shared
+        memory)."""
         buf = cuda.shared.array(SORT_CAP, uint64)       # held sets; the fallback's candidates
         top = cuda.shared.array(TOP_CAP, uint64)        # the final candidates
         hist = cuda.shared.array(BINS, int32)           # compactions' bins; the final select

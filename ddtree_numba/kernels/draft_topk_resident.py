@@ -12,7 +12,7 @@ in the same launch; a row that fits one block (``parts == 1``) writes its output
 Who holds what (``T`` threads, ``words``: the row viewed as 8-byte words, two float32 or four
 bfloat16 logits each; the block's slice is ``words[wlo:whi]``)::
 
-    thread t, register u     word wlo + u * T + t  (u < WORDS_PER_THREAD): a warp reads 256
+    thread t, register u     word wlo + u * T + t  (u < words_per_thread): a warp reads 256
                              contiguous bytes a load, all loads of a thread in flight at once
     keys[u * per_word + j]   the orderable key of logit j of that word (0: past the slice),
                              logit id (wlo + u * T + t) * per_word + j
@@ -33,7 +33,8 @@ warps)::
     3. the keys >= F counted, a block scan of the counts, and, when they are at most
        CAND_CAP, written packed (key << 32 | ~id) to each thread's slots of the scan: no
        atomics. Else the edge is raised first: a 256-bin histogram of the keys in [F, M],
-       bin 255 - ((M - key) >> shift), shift the smallest that fits [F, M] into 256 bins
+       bin 255 - ((M - key) >> shift), shift the smallest multiple of 8 that fits [F, M]
+       into 256 bins (whole key bytes, so each later round takes the next 8 bits)
        (shared atomics); a block scan from the top bin finds the bin b holding the kk-th
        key. If the keys at or above b are more than CAND_CAP (a crowded bin), the same
        histogram runs again on bin b's range with 8 bits fewer of shift: at most 4 rounds
@@ -59,10 +60,13 @@ open scan's and the one that publishes the digit) where a round runs, and the so
 
 Precision: the sum is float32 over ``LOGITS_PER_THREAD`` terms a thread, one rescale of it
 (a multiply by an ``ex2``: about three roundings) and a block reduction (``log2 T`` more
-additions), so a part's ``s`` carries at most about ``(LOGITS_PER_THREAD + 3 + log2 T + 16)``
-float32 epsilons; the merge adds its three a part. A term is ``exp2((x - m)
-log2 e)``, as in ``draft_topk_filtered`` (the hardware's ``ex2``, about ``2**-22`` relative,
-after one multiply): at most ``(2 + 1.2 ln V) 2**-23`` more relative error in the sum.
+additions), so a part's ``s`` carries at most about ``LOGITS_PER_THREAD + 3 + log2 T``
+float32 epsilons; the merge adds its three a part. (The tests' bound, ``error_bound`` in
+``tests/test_draft_topk.py``, is looser: it allows 16 epsilons for the block's reduction.)
+A term is ``exp2((x - m) log2 e)`` after one multiply, by libdevice's ``exp2f``: the
+hardware's ``ex2`` (about ``2**-22`` relative) inside a range test that keeps results below
+``2**-126`` rather than flushing them to 0 as ``draft_topk_filtered``'s ``exp2_ftz`` does.
+That adds at most ``(2 + 1.2 ln V) 2**-23`` relative error to the sum.
 
 The simulator runs this kernel as it is (64 threads, 8 logits a thread, so slices of 512
 logits): the reductions and the sort have simulator versions in ``_primitives``.
@@ -119,7 +123,8 @@ def _warp_floor(top_t, kk, tid, lane_max):
     """The floor of phase 1, from each thread's largest key ``top_t`` (0: it holds none):
     the smallest over the warps of the warp's ``j``-th largest ``top_t``, ``j = ceil(kk /
     warps)``; 0 where a warp has fewer than ``j`` threads holding keys (then every key
-    passes the floor). Every thread returns the same value. ``lane_max`` (``uint64``, at
+    passes the floor). All threads of the block call it; every thread returns the same
+    value. ``lane_max`` (``uint64``, at
     least ``T + T / 32`` entries, free until the gather) holds the maxima, then the warps'
     floors. Two barriers; the caller's next barrier must come before ``lane_max`` is
     written again."""
@@ -151,22 +156,24 @@ def _histogram_edge(keys, key_max, floor, kk, tid, hist, scratch, result):
     """An edge that at least ``kk`` and at most ``CAND_CAP`` of the block's keys reach, by
     rounds of a 256-bin histogram over ``[low, top]`` (at first ``[floor, key_max]``, then
     the bin of the ``kk``-th key with 8 bits less of shift), or 0 when ties at one key
-    crowd the candidates (or fewer than ``kk`` keys reach the floor). Every thread returns
-    the same value."""
+    crowd the candidates (or fewer than ``kk`` keys reach the floor). All threads of the
+    block call it (it has barriers); every thread returns the same value."""
     T = RESIDENT_THREADS
     top = key_max
     low = floor
     span = uint32(top - low) if top >= low else uint32(0)   # (top < low: all keys 0)
     shift = uint32(0)
-    while (span >> shift) >= uint32(ROUND_BINS):   # smallest shift fitting 256 bins
+    while (span >> shift) >= uint32(ROUND_BINS):   # the smallest multiple of 8 fitting
+                                                # 256 bins (each later round: 8 bits more)
         shift = uint32(shift + 8)
     need = kk                                   # rank of the kk-th key among keys <= top
     above = 0                                   # keys > top (bins of earlier rounds)
     while True:
         for d in range(tid, ROUND_BINS, T):
             hist[d] = 0
-        cuda.syncthreads()                      # bins cleared before the atomics, and every
-        if tid == 0:                            # thread read the last round's result: -1
+        cuda.syncthreads()                      # bins cleared before the atomics; every
+                                                # thread has read the last round's result
+        if tid == 0:
             result[0] = -1                      # stays if no bin holds the need-th key
         for i in range(LOGITS_PER_THREAD):
             key = keys[i]
@@ -215,7 +222,7 @@ def _make_resident_kernels(bf16: bool):
         """How many of the block's keys are ``>= edge`` (every thread gets the count); when
         they fit ``CAND_CAP``, also writes them to ``cand`` packed as ``key << 32 | ~id``,
         each thread's at its place in a block scan of the counts (no atomics, so no
-        contended counter). Ends with a barrier."""
+        contended counter). All threads of the block call it; it ends with a barrier."""
         count = int32(0)
         for i in range(LOGITS_PER_THREAD):
             if keys[i] >= edge:
@@ -261,7 +268,7 @@ def _make_resident_kernels(bf16: bool):
         # the thread's own sum of exp(x - m_t), m_t its largest logit, before any barrier:
         # a warp whose loads came in early sums while the block waits for the rest (a -inf
         # logit adds nothing; s_t = 0 where the thread holds no finite logit). Each term as
-        # exp2((x - m_t) log2 e): one multiply and the hardware's ex2 (precision above)
+        # exp2((x - m_t) log2 e): one multiply and libdevice's exp2f (precision above)
         m_t = float_of_key(top_t)
         s_t = float32(0.0)
         if top_t > KEY_NEG_INF:
@@ -358,6 +365,7 @@ def _make_resident_kernels(bf16: bool):
         cuda.syncthreads()                      # ... and so every thread's of this block
         if tid == 0:
             arrived = cuda.atomic.inc(row_done, row_id, uint32(parts - 1))
+            # (result, the select's scratch, is free after store_part: here the flag)
             result[0] = 1 if arrived == uint32(parts - 1) else 0
         cuda.syncthreads()                      # the flag is set
         if result[0] == 1:                      # the row's last block (a uniform branch)
