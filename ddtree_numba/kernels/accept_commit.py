@@ -68,7 +68,11 @@ MAX_PARTS = 65535                                   # the grid's y limit
 def _accept_commit_kernel(token_ids, next_token, next_sibling, target_predict, kv_words,
                           block_table, prefix_lens, accept_nodes, accept_len, accept_tokens,
                           bonus_token, new_prefix_lens):
-    """``kv_words`` is ``[layers, num_pages, page_size, W]``: each cache row as ``W`` words."""
+    """Grid ``(bs, parts)``, block ``(ACCEPT_COMMIT_THREADS,)``: block ``(b, part)`` walks
+    request ``b``'s tree (every part does, the same walk) and thread ``tid`` moves item
+    ``part * T + tid`` (then every ``parts * T``-th after it), an item being one word
+    column of one layer's accepted rows; part 0 also writes the ``AcceptResult`` rows.
+    ``kv_words`` is ``[layers, num_pages, page_size, W]``: each cache row as ``W`` words."""
     b = cuda.blockIdx.x
     part = cuda.blockIdx.y                          # this block's share of the moves
     tid = cuda.threadIdx.x
@@ -100,10 +104,10 @@ def _accept_commit_kernel(token_ids, next_token, next_sibling, target_predict, k
     for w in range(tid + threads, count, threads):  # (512 threads: pages of 1 or 2 slots)
         t = first_page + w
         pages[w] = block_table[b, t] if t < block_table.shape[1] else -1
-    # 2. the moves' rows, all of them at once (k <= N - 1 < MAX_NODES; 16.9 KB: this kernel's
-    # 512-thread blocks fit two an SM with it; its static shared memory is 45.4 KB of the 48
-    # numba allows: one more int32 row of MAX_NODES would exceed it); none where the prefix is
-    # no valid start
+    # 2. the moves' rows, all of them at once (k <= N - 1 < MAX_NODES; 16 896 B: this
+    # kernel's 512-thread blocks fit two an SM with it; its static shared memory, greedy_walk's
+    # arrays included, is 46 472 B of the 49 152 numba allows: one more int32 row of
+    # MAX_NODES would exceed it); none where the prefix is no valid start
     moved = k if valid else 0
     plan = cuda.shared.array((4, MAX_NODES), int32)
     cuda.syncthreads()                              # the window in place before the plan

@@ -12,7 +12,8 @@ request and reads that request's parents once into shared memory, every load in 
 the first is stored (``FINISH_STAGE`` registers a thread: one trip to memory, where a loop that
 stored each parent before loading the next made ``ceil(n / FINISH_THREADS)`` of them).
 ``finish_rows`` picks ``rows_per_block``: ``FINISH_ROWS``, halved while the grid would give
-fewer than ``FINISH_FILL`` blocks an SM. At bs 1 a tree of 257 nodes is then 257 blocks of
+fewer than ``FINISH_FILL`` blocks an SM. At bs 1 (132 SMs, an H100 or H200) a tree of 257
+nodes is then 257 blocks of
 one row each instead of 9 of 32 rows: every block's chain (the parents, one walk, a row's
 writes) is as long as before, but a thread writes one word of the bool mask instead of eight,
 and the rows are spread over all SMs.
@@ -287,7 +288,8 @@ def finish_outputs(tree):
 def finish_rows(bs: int, N: int, sms: int) -> int:
     """Rows a block of the finish kernel takes for ``bs`` trees of ``N`` nodes on ``sms``
     SMs: ``FINISH_ROWS``, halved while the grid would have fewer than ``FINISH_FILL * sms``
-    blocks (at least one row). bs 1, N 257: 1 row (257 blocks); bs 8, N 257: 8; bs 64: 32."""
+    blocks (at least one row). With 132 SMs (H100, H200): bs 1, N 257: 1 row (257 blocks);
+    bs 8, N 257: 8; bs 64: 32."""
     rows = FINISH_ROWS
     while rows > 1 and bs * -(-N // rows) < FINISH_FILL * sms:
         rows //= 2

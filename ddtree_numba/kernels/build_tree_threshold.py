@@ -29,8 +29,9 @@ alike by all, from block-wide sums):
    above the floor; a block scan turns the counts into inclusive sums in ``work`` (``M``, the
    level's total). Where the level has at most ``T`` parents (most levels), each thread scans
    its one count from a register.
-3. *Overflow* (``n + M > CAPACITY``, the same decision in every thread): the floor rises
-   towards the ``B``-th best key of the list (a radix select), the list is compacted, the
+3. *Overflow* (``n + M > CAPACITY``, the same decision in every thread): if the list holds
+   ``B`` nodes, the floor rises towards the ``B``-th best key of the list (a radix select), the
+   list is compacted, the
    children are counted again; if they still do not fit, the same with the pending children
    included (each one scored again where the select reads it, never stored); if they still do
    not fit, ties crowd the list, and the block builds the tree with the ``"levels"`` select
@@ -43,7 +44,7 @@ alike by all, from block-wide sums):
    budget 256, ``benchmarks/NOTES.md``.)
 
 **The end.** If more than ``2^ceil(log2(B + 1)) - 1`` non-root nodes are listed, the floor
-rises towards ``T``, the ``B``-th best score, so that the sort pads to no more slots than
+rises towards the ``B``-th best score, so that the sort pads to no more slots than
 ``B + 1`` nodes need; the list is compacted, and the survivors are sorted by the 64-bit key
 ``orderable(score) << 32 | ~((position of the parent + 1) << 12 | list index)`` (descending:
 score, then the earlier parent, then the earlier sibling), again with the positions found,
@@ -93,9 +94,12 @@ SCAN_SCRATCH = block_scan_scratch(THREADS)
 FINITE_FLOOR = uint32(_FINITE_FLOOR)
 LOW = uint64(0xFFFFFFFF)
 KEY_POS_INF = uint32(0xFF800000)        # the key of +inf: larger keys are NaNs
-assert CAPACITY % THREADS == 0 and CAPACITY & (CAPACITY - 1) == 0 and CAPACITY <= 4096
+INDEX_BITS = 12                             # a sort key's list index: its low 12 bits
+assert CAPACITY % THREADS == 0 and CAPACITY & (CAPACITY - 1) == 0
+assert CAPACITY <= 1 << INDEX_BITS
 assert BINS <= THREADS or BINS % THREADS == 0
-assert THREADS >= LEVEL_THREADS and THREADS % 32 == 0   # the fall-back's merge: HELD a thread
+# the fall-back's merge holds build_tree_levels.HELD elements a thread, of LEVEL_THREADS
+assert THREADS >= LEVEL_THREADS and THREADS % 32 == 0
 
 # The one dynamic shared block: the list's arrays, then (at the fall-back, the same bytes)
 # the "levels" select's; offsets in elements of each array's type
@@ -258,12 +262,14 @@ def _floor_edge(k, cap, score, n, with_children, work, start, M, lp_row, at, his
     ``with_children``, the level's ``M`` pending children (scored where they are read, with
     the row at ``lp_row[at:]``; ``work`` holds the sums), that leaves at most ``cap`` of those
     keys, or the ``k``-th key itself (the model's ``floor_edge``). Needs at least ``k`` keys.
-    Every thread returns the same key."""
+    All threads of the block call it (it has barriers); every thread returns the same key."""
     prefix = uint32(0)
     need = int32(k)
     P = n - start
-    for round_ in range(4):
-        shift = uint32(24 - 8 * round_)
+    for round_ in range(4):                 # the key's four bytes, most significant first
+        shift = uint32(24 - 8 * round_)     # this round's digit: key bits shift .. shift + 7
+        # the bits above the digit, found by the earlier rounds (none in round 0): a key
+        # counts in this round when they equal prefix
         decided = uint32(~((uint64(1) << uint64(shift + uint32(8))) - uint64(1)) & LOW)
         for i in range(tid, int32(BINS), T):
             hist[i] = 0
@@ -308,8 +314,8 @@ def _floor_edge(k, cap, score, n, with_children, work, start, M, lp_row, at, his
 
 @cuda.jit(device=True, inline=True)
 def _compact(floor, score, parent, rank, depth, mult, work, scratch, n, start, tid, T):
-    """Keep the root and the nodes at or above ``floor``, in order, parents re-pointed.
-    Returns the new ``(n, start)``."""
+    """All threads of the block (it has barriers): keep the root and the nodes at or above
+    ``floor``, in order, parents re-pointed. Returns the new ``(n, start)``."""
     for i in range(tid, n, T):
         work[i] = uint64(1) if i == 0 or _score_key(score[i]) >= floor else uint64(0)
     cuda.syncthreads()                      # flags in place
@@ -352,14 +358,14 @@ def _compact(floor, score, parent, rank, depth, mult, work, scratch, n, start, t
 @cuda.jit(device=True, inline=True)
 def _sort_key(score, parent_position, i):
     """The descending-order key of list entry ``i`` (the module docstring)."""
-    low = uint64((parent_position + 1) * 4096 + i)
+    low = uint64(((parent_position + 1) << INDEX_BITS) + i)   # the index below its parent's
     return (uint64(_score_key(score)) << uint64(32)) | (LOW - low)
 
 
 @cuda.jit(device=True, inline=True)
 def _entry_of(key):
     """The list index a :func:`_sort_key` holds (its low 12 bits, complemented)."""
-    return int32((LOW - (key & LOW)) & uint64(0xFFF))
+    return int32((LOW - (key & LOW)) & uint64((1 << INDEX_BITS) - 1))
 
 
 @kernel_for_block(THREADS)
@@ -385,7 +391,8 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
     i8 = cuda.shared.array(0, int8)
     work = u64[AT_WORK:AT_WORK + CAPACITY]         # counts and sums; keep flags; sort keys
     score = f32[AT_SCORE:AT_SCORE + CAPACITY]
-    lp_row = f32[AT_ROW:AT_ROW + ROW]              # lp[b, d, :min(K, B)]
+    lp_row = f32[AT_ROW:AT_ROW + ROW]              # lp[b, d, :min(K, B)] at lp_row[at:]
+                                                   # (halves: rows d and d + 1, one a half)
     hist = i32[AT_HIST:AT_HIST + BINS]
     scratch = i32[AT_SCRATCH:AT_SCRATCH + SCAN_SCRATCH]
     found = i32[AT_FOUND:AT_FOUND + 3]             # the radix select's digit, rank, reach
@@ -414,8 +421,8 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
         for q in range(ROW_PER_THREAD):            # row 1, stored at level 0's start
             r = tid + q * T
             ahead[q] = lp[b, 1, r] if 1 < L and r < width0 else float32(0.0)
-    for i in range(tid, int32(4), T):
-        flags[i] = 0
+    for i in range(tid, int32(4), T):              # the 4 flags (below) zeroed, published
+        flags[i] = 0                               # by the next barrier too
     cuda.syncthreads()                             # the root and row 0 in place
 
     n = int32(1)                                   # list entries
@@ -424,6 +431,8 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
     fallback = B + 1 > CAPACITY
     # the most non-root nodes a floor rise leaves (the model's floor_caps): during the levels
     # B and some room, at the end one less than the power of two the final sort pads to
+    # (B plus up to 32, at most a quarter of the spare room, so that the levels after a
+    # rise have room to grow)
     mid_cap = B + min(32, max(0, CAPACITY - B - 1) // 4)
     end_cap = int32(1)
     while end_cap < B + 1:
@@ -452,7 +461,8 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
         # 2. count; 3. while the level does not fit, raise the floor: from the list alone
         # (stage 0, if it holds B nodes), then with the pending children (stage 1). At the
         # end, once from the list if it holds more than end_cap nodes.
-        stage = 0 if n - 1 >= B else 1
+        stage = 0 if n - 1 >= B else 1             # 0: from the list; 1: with the children;
+                                                   # 2: neither fits (the fall-back)
         while True:
             M = int32(0)
             if level:
@@ -510,12 +520,14 @@ def _select_threshold_kernel(lp, budget, parents, depths, log_weights, next_toke
     for i in range(tid, n, T):
         mult[i] = int16(i)                         # positions: any start
     cuda.syncthreads()                             # positions in place
-    for it in range(L + 2):
+    for it in range(L + 2):                        # one sort, then at most L + 1 repeats:
+                                                   # each settles one level of tied ancestors
         now = (it & 1) * 2                         # this sort's flags; the others reset
         for i in range(tid, n, T):
             pp = int32(parent[i])
             work[i] = _sort_key(score[i], int32(mult[pp]) if pp >= 0 else int32(-1), i)
-        sort_desc_any(work, n, tid, T)             # barriers before and after
+        sort_desc_any(work, n, tid, T)             # (its padding barrier publishes the keys;
+                                                   # it ends with one)
         if tid == 0:                               # the next sort's flags: every thread
             flags[2 - now] = 0                     # read them (last sort) before the
             flags[3 - now] = 0                     # barriers above

@@ -11,8 +11,8 @@ ascending order: still the sequential semantics). No two threads touch the same 
 no barrier is needed between moves. A move's addresses (source and destination page and
 offset: two block-table lookups and divisions by the page size) are the same for every
 column, so the block first *plans* them (``plan_moves``: one thread a move, into shared
-memory, ``PLAN_MOVES`` at a time), then one barrier, then the columns move (and a barrier
-before the next round of the plan, when there is one). Rounds in ascending order keep the
+memory, ``PLAN_MOVES`` at a time), then one barrier, then the columns move, and a barrier
+after every round's moves (before the plan is replaced). Rounds in ascending order keep the
 sequential semantics: a later round's reads never see an earlier round's writes (``a_j >= j
 > i``), and an earlier round read its sources before any later round writes.
 
@@ -53,7 +53,8 @@ PLAN_MOVES = 16 if SIMULATOR else 64
 @cuda.jit(device=True, inline=True)
 def plan_moves(paging, nodes, N, P, first, count, num_pages, page_size, plan, tid, threads):
     """All threads of a block: the addresses of one request's moves ``first + 1 .. first +
-    count`` (``count <= PLAN_MOVES``) into ``plan`` (shared ``int32[4, PLAN_MOVES]``): move
+    count`` (``count`` at most the plan's width: ``PLAN_MOVES`` in ``commit_kv``,
+    ``MAX_NODES`` in ``accept_commit``) into ``plan`` (shared ``int32[4, width]``): move
     ``i`` (slot ``P + a_i`` to slot ``P + i``, ``a_i = nodes[i]``), entry ``j = i - first -
     1``, reads row ``(plan[0, j], plan[1, j])`` (page, offset in the page) and writes row
     ``(plan[2, j], plan[3, j])``; ``plan[0, j] = -1``: no move (an address failed its check).
@@ -160,6 +161,8 @@ def _commit_kv_kernel(kv_layers, block_table, prefix_lens, accept_nodes, accept_
     P = int64(prefix_lens[b])                       # int64: P + a never wraps around
     k = min(max(accept_len[b], 0), N - 1)
     writer = col == 0 and layer == 0                # one thread a request writes its length
+    # (a uniform return: every thread of the block has this b, so none waits at the
+    # barriers below)
     if not valid_prefix(P, N):                      # not a valid prefix: commit nothing
         if writer:
             new_prefix_lens[b] = P

@@ -72,8 +72,9 @@ from __future__ import annotations
 
 import numpy as np
 
-#: The list's capacity on the GPU (the kernel's shared memory; 8 bytes a node plus one 64-bit
-#: word a node for the counts and the final sort).
+#: The list's capacity on the GPU (the kernel's shared memory: 11 bytes a node, score,
+#: parent, rank, mult and depth, plus one 64-bit word a node for the counts and the final
+#: sort).
 CAPACITY = 2048
 
 
