@@ -16,6 +16,9 @@
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
+// mma_bf16_16816, ldmatrix_x4 and ldmatrix_x4_trans are warp-collective (.sync.aligned): all
+// 32 lanes of a warp execute each call together, each lane passing its own operands/address.
+
 // D = A B + C for one warp: A 16 x 16 (row-major), B 16 x 8 (column-major), C and D 16 x 8 in
 // float32, accumulated in place in c[0..3].
 //   A: a0 = A[g][2t, 2t+1]    a1 = A[g+8][2t, 2t+1]    a2 = A[g][2t+8, 2t+9]  a3 = A[g+8][2t+8, 2t+9]
@@ -66,7 +69,8 @@ extern "C" __device__ u32 shared_address(const unsigned short *pointer) {
 
 // Copy 16 bytes from global to shared memory without passing through registers (sm_80+).
 // src_bytes < 16 fills the rest with zeros; src_bytes = 0 writes 16 zero bytes and reads
-// nothing (source + offset must still be a valid address: pass the array's base).
+// nothing (source + offset must still be an address inside the array: the kernel passes the
+// base plus this thread's chunk offset).
 extern "C" __device__ void cp_async_16(u32 address, const unsigned short *source, u64 offset,
                                        u32 src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"

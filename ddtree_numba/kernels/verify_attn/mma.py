@@ -143,7 +143,8 @@ NT = BN // 8        # 8-slot n-tiles of the scores per tile
 BLOCKS_PER_SM = 1   # launch bounds: up to 255 registers (215-255 taken; 128 would spill)
 RESCALE_BELOW = 8.0     # the reference max of a row moves only when a score passes it by
                         # more than this (base 2): probabilities up to 2^8, rare rescales
-P_STRIDE = BN + 8   # probability tile row stride in 16-bit values (80 bytes: see below)
+P_STRIDE = BN + 8   # probability tile row stride in 16-bit values (80 bytes: the module
+                    # docstring says why: an ldmatrix's 8 rows start in 8 bank groups)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 _ffi = cffi.FFI()
@@ -160,7 +161,7 @@ class SharedLayout(NamedTuple):
     """Byte offsets of the regions of the kernel's dynamic shared memory (one block)."""
     stages: int         # staged cache tiles in flight
     tile: int           # bytes of one staged tile: BN rows of D + 8 values
-    partial: int        # partial scores: [row tile, k-warp, half, lane] float32x4
+    partial: int        # partial scores: [row tile, k-warp, n-tile (NT), lane] float32x4
     probs: int          # probabilities: BM rows of P_STRIDE 16-bit values
     alpha: int          # per row: the rescale factor of this tile (float32)
     inverse: int        # per row: 1 / l at the end (float32)
@@ -338,7 +339,9 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int, fused_merge: bool
 
     @cuda.jit(device=True, inline=True)
     def pv_step(o, pa0, pa1, vf, probs, v_rows, warp, tree):
-        """``O += P V`` over one k-step of 16 slots: the probabilities of both row tiles at
+        """All 32 lanes of the warp, converged (ldmatrix and mma.sync are warp-wide;
+        ``warp`` and ``tree`` the same in every lane). ``O += P V`` over one k-step of 16
+        slots: the probabilities of both row tiles at
         ``probs`` (this lane's ldmatrix address), the V rows at ``v_rows`` (likewise), this
         warp's column groups ``warp, warp + WARPS, ...``. Every fragment of the k-step is
         loaded first (``vf[4 q:]``: group ``q``), then the products: the loads overlap each
@@ -407,7 +410,8 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int, fused_merge: bool
     @cuda.jit(device=True, inline=True)
     def merge_rows(smem_f32, part_out, part_lse, out, lse, splits, b, row0, rows, n, H, tid,
                    warp, lane):
-        """The splits of the block's rows combined by log-sum-exp, in split order: the
+        """Every thread of the block (it has a barrier). The splits of the block's rows
+        combined by log-sum-exp, in split order: the
         expressions and the order of ``splits._merge_prefix_kernel`` (the same bits).
         Thread ``r < BM`` computes row ``r``'s split weights, their largest lse and their sum
         into shared memory. After the barrier warp ``w`` merges rows ``Q_ROWS w ..``, lane
@@ -505,8 +509,8 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int, fused_merge: bool
                                  + ((4 * g_own + t) ^ (4 * nt_own))) + h_own
 
         # ldmatrix addresses (bytes from a tile's start) that this lane provides:
-        # scores: row lane % 8 of matrix lane // 8 = slots 0-7 | 8-15, dims +0 | +8 of a k-step
-        # (slots 16-31: the same address + 16 rows)
+        # scores: row lane % 8 of matrix m = lane // 8: slots 8 (m // 2) .., dims 8 (m % 2)
+        # .. of a k-step (slots 16-31: the same address + 16 rows)
         k_lane = 2 * ((lane % 8 + 8 * (lane // 16)) * ROW + 8 * ((lane // 8) % 2))
         # P V (.trans): matrix lane // 8 = slots 0-7 | 8-15, columns +0 | +8 of a group
         v_lane = 2 * ((lane % 8 + 8 * ((lane // 8) % 2)) * ROW + 8 * (lane // 16))
@@ -757,9 +761,10 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int, fused_merge: bool
         splits = prefix_splits(P, end, min(MAX_PREFIX_SPLITS, part_lse.shape[0]))
         if tid == 0:
             arrived = cuda.atomic.inc(arrivals, (b, cuda.blockIdx.y), uint32(splits - 1))
-            cuda.threadfence()                  # what the other splits wrote before they
+            # what the other splits wrote before they counted is visible after this fence
+            cuda.threadfence()
             smem_u32[LAST] = uint32(1) if arrived == uint32(splits - 1) else uint32(0)
-        cuda.syncthreads()                      # counted is seen after this; the flag is set
+        cuda.syncthreads()                      # the flag is set before any thread reads it
         if smem_u32[LAST] == 0:                 # (block-uniform) another split merges
             return
         cuda.threadfence()                      # (and in every thread, before its reads)

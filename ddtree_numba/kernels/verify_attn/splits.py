@@ -5,7 +5,8 @@ The tiled variant cuts the slots ``[0, max_pages * page_size)`` of every request
 so that even bs = 1 fills the GPU. Each block writes an unnormalised partial of its split,
 ``part_out = out / l`` and ``part_lse = m + log l`` (``-inf`` when the split saw no visible
 slot of the row); the merge kernel combines the splits of every row by log-sum-exp
-(``_merge_partials``, the only place the merge is written).
+(``_merge_partials``: the tiled variant's merge; the tensor-core variant's, the same
+expressions in the same order, is below and in ``mma.merge_rows``).
 
 Why one module for the plan and the merge: both are the flash-decoding split and nothing else.
 The plan decides the shape of the partial buffers (``allocate_workspace``) and the merge is
@@ -79,8 +80,8 @@ def plan_splits(bs: int, N: int, H: int, max_slots: int, splits=None) -> tuple:
     """``(splits, slots_per_split)`` of the tiled variant for a slot capacity ``max_slots``.
 
     Only the capacity of the block table is known on the host without a synchronisation, so
-    the splits cover ``[0, max_pages * page_size)``; splits past a request's ``P + N`` return
-    at once with an empty partial.
+    the splits cover ``[0, max_pages * page_size)``; splits past a request's
+    ``P + num_nodes`` return at once with an empty partial.
     """
     row_tiles = -(-N * H // BM)
     n = choose_splits(bs, row_tiles, max_slots, sm_count()) if splits is None else int(splits)

@@ -1,7 +1,9 @@
 """Variant ``"tiled"`` of ``kernels.verify_attn``: the fast kernel (GPU only).
 
 The ``N * H`` query rows of a request are flattened (``row = i * H + h``) and cut into tiles
-of ``BM = 32`` rows; the slots ``[0, P + N)`` are cut into ``splits`` equal ranges
+of ``BM = 32`` rows; the slots ``[0, max_pages * page_size)`` (the block table's capacity:
+known on the host without a synchronisation) are cut into ``splits`` equal ranges (a split
+past ``P + num_nodes`` writes an empty partial)
 (flash-decoding: enough blocks to fill the GPU even at bs = 1; the count minimises waves x tile
 times, ``splits.choose_splits``). Grid ``(splits, ceil(N H / 32), bs)``, 256
 threads = 8 warps. For each tile of ``BN = 128`` slots:
@@ -130,6 +132,7 @@ def _unpack_bf16x2(word):
 def _finite(x):
     """``x``, or 0 if it is not finite (exponent all ones: NaN, +-inf), by bit masks alone."""
     bits = float_to_bits(x)
+    # adding one to the exponent carries into bit 31 only when the exponent is all ones
     top = ((bits & uint32(0x7F800000)) + uint32(0x00800000)) >> uint32(31)   # 1: not finite
     return bits_to_float(bits & (top - uint32(1)))
 
@@ -200,7 +203,8 @@ def _weighted_slot(p_sub, c_mine, ss, acc):
 
 @cuda.jit(device=True, inline=True)
 def _softmax_row(soft, m, l, alpha, r, row, H, NH, n, bits, b, t0, t_end, P, lane, sm_scale):
-    """Steps 2 and 3 for row ``r`` of this warp's quad (``row`` is its flat query row): mask
+    """All 32 lanes of the warp, with the same ``r`` (full-mask shuffles). Steps 2 and 3
+    for row ``r`` of this warp's quad (``row`` is its flat query row): mask
     and scale its 4 scores of this lane (slots ``t0 + lane + 32 k``), then the online softmax
     update of its running max ``m[r]`` and sum ``l[r]``; ``alpha[r]`` gets the factor that
     rescales the row's earlier output. Every call passes a literal ``r``, so ``soft``, ``m``,
@@ -298,7 +302,9 @@ def _make_tiled_kernel(kind: str):
     @cuda.jit(device=True, inline=True)
     def fetch_c(flat, slot_off, t_valid, sub, Dc, tid, c_next):
         """Global -> registers: this thread's 4 vectors of the latent sub-tile at slots
-        ``sub ..``: slot ``sub + tid // 128 + 2 j``, columns ``4 (tid % 128) ..``."""
+        ``sub ..``: slot ``sub + tid // 128 + 2 j``, columns ``4 (tid % 128) ..`` (128 =
+        ``COL4``, the vectors of a latent row; 2 = ``TILED_THREADS // COL4``, the rows the
+        block stages at once)."""
         for j in range(4):
             ss = sub + tid // 128 + 2 * j
             c_next[j] = fetch4(flat, slot_off[ss], ss < t_valid, 4 * (tid % 128), Dc)
@@ -392,7 +398,8 @@ def _make_tiled_kernel(kind: str):
 
         for t0 in range(t_begin, t_end, BN):
             t_valid = t_end - t0                # slots of this tile that exist
-            cuda.syncthreads()                  # the previous tile is done with slot_off and P
+            cuda.syncthreads()                  # the previous tile is done with slot_off and
+                                                # with P^T (in k_s)
             if tid < BN:                        # 0. where each slot of the tile lives
                 t = min(t0 + tid, t_end - 1)
                 page = block_table[b, t // page_size]
