@@ -60,7 +60,7 @@ chain. No shared-memory frontier and no rescan.
 
 Unchecked input that breaks the rules (a log-prob ``> 0``, NaN) breaks the argument that the
 next pop is a corner's candidate: the tree is then wrong, but every index stays in bounds
-(ranks stay below ``K``, depths below ``L``, nodes below the budget). The number of corners
+(ranks below ``K``, depths at most ``L``, node indices at most the budget). The number of corners
 stays within ``32 P`` whatever the scores, since only corners pop and the bound counts children
 alone; a corner that found no empty slot would be dropped, not written out of bounds.
 
@@ -179,7 +179,8 @@ def corners_select_kernel(P: int):
             R32 = uint32(R)
             B32 = uint32(budget)
             lane32 = uint32(lane)
-            # this lane's corners: slot q holds key[q] (0: empty) and the parent node[q];
+            # this lane's corners: slot q holds slot_key[q] (0: empty) and the parent
+            # slot_node[q];
             # registers, because every index is a constant once the loops over q unroll
             slot_key = cuda.local.array(P, uint32)
             slot_node = cuda.local.array(P, uint32)
@@ -191,6 +192,7 @@ def corners_select_kernel(P: int):
             best_key = slot_key[0]                  # this lane's largest slot: key, node, q
             best_node = uint32(0)
             best_q = uint32(0)
+            # bit q set: slot q is empty (all of them, but slot 0 where it took the root's)
             empty = uint32((1 << P) - 1) if best_key == 0 else uint32((1 << P) - 2)
             # the first pop, (hi, u): the root's candidate, the only one (every lane alike)
             hi = _finite_key(float32(0.0) + lp_cache[0])
@@ -222,7 +224,7 @@ def corners_select_kernel(P: int):
                 for q in range(P):
                     k = slot_key[q]
                     n = slot_node[q]
-                    if _beats(k, n, run_key, run_node) & ~(mine & (uint32(q) == best_q)):
+                    if _beats(k, n, run_key, run_node) & ((not mine) | (uint32(q) != best_q)):
                         run_key, run_node = k, n
                 run_hi = warp_max_u32(run_key)
                 lanes_empty = cuda.ballot_sync(FULL_MASK, empty != uint32(0))   # read in step 5
