@@ -53,10 +53,11 @@ shuffle, no barrier), and only the wider ones go through shared memory, two barr
 36). Up to ``4 T`` (``T`` a power of two), thread ``t`` keeps elements ``t``, ``t + T``,
 ``t + 2 T``, ``t + 3 T`` in four registers: a stride of ``T`` or ``2 T`` then pairs two of one
 thread's registers (no barrier at all), and only strides from 32 to ``T / 2`` go through
-shared memory (at ``n = 2 048``, ``T = 512``: 18 such steps, against 66 barriers in shared
-memory). Longer sorts take the shared-memory network. ``sort_desc_any(keys, n, tid, T)`` takes any
-``n``: it fills ``keys[n:]`` up to the next power of two with key 0, the smallest uint64 (the
-caller's buffer must hold that many), then sorts; the padding sinks to the end.
+shared memory (at ``n = 2 048``, ``T = 512``: 18 such steps, two barriers each, against the
+shared-memory network's 66 barriers). Longer sorts take the shared-memory network.
+``sort_desc_any(keys, n, tid, T)`` takes any ``n``: it fills ``keys[n:]`` up to the next
+power of two with key 0, the smallest uint64 (the caller's buffer must hold that many), then
+sorts; the padding sinks to the end.
 
 *32-bit shifts.* ``shr_u32(x, shift)`` is ``uint32(x) >> shift`` in one 32-bit instruction
 (numba would shift in 64 bits: three instructions, in loops that run once a logit).
@@ -159,7 +160,11 @@ else:
 
     @intrinsic
     def warp_max_u32(typingctx, value):
-        """Max of ``value`` over the full warp, returned to every lane (``redux.sync``)."""
+        """Max of ``value`` over the full warp, returned to every lane (``redux.sync``). All
+        32 lanes of the warp must call it together, converged: inline assembly carries no
+        *convergent* mark (``warp_max_key``), so a caller keeps it out of lane-dependent
+        branches (the corners select calls it in warp 0's ``if tid < 32`` block, which a
+        whole warp enters or skips)."""
         if value != types.uint32:
             return None
 
@@ -218,7 +223,8 @@ def float_of_key(key):
 
 
 # ------------------------------------------------------------------------------------------
-# Block-wide helpers (every thread of the block must call them)
+# Block-wide helpers (every thread of the block must call them; the warp-level helpers
+# further down say so where they are warp-wide instead)
 # ------------------------------------------------------------------------------------------
 def make_block_reduce(op):
     """``reduce(red, value, tid, T)``: ``op`` folded over one ``value`` per thread of a block
@@ -377,8 +383,9 @@ def _warp_shuffle_scan_open(scratch, value, tid, T):
     # lane l of every warp: the totals of warps 0 .. l (no one writes scratch until the
     # caller's next barrier)
     t = warp_inclusive_scan(scratch[lane] if lane < warps else int32(0), lane)
-    before = cuda.shfl_sync(FULL_MASK, t, (warp - 1) & 31)   # warps 0 .. warp - 1
-    total = cuda.shfl_sync(FULL_MASK, t, warps - 1)
+    # warps 0 .. warp - 1 (warp 0 reads lane 31 and drops it below)
+    before = cuda.shfl_sync(FULL_MASK, t, (warp - 1) & 31)
+    total = cuda.shfl_sync(FULL_MASK, t, warps - 1)   # lane warps - 1: every warp's total
     if warp > 0:
         x = int32(x + before)
     return x, total
@@ -601,7 +608,8 @@ def _bitonic_sort_gpu(keys, n, tid, T):
 
 
 # Sort ``keys[0:n]`` (uint64, shared memory, ``n`` a power of two) descending in place; every
-# thread of the block calls it. The simulator has no shuffles: the shared-memory network there.
+# thread of the block calls it, after a barrier that put keys[0:n] in place (each path reads
+# other threads' keys at once). The simulator has no shuffles: the shared-memory network there.
 bitonic_sort_desc = _bitonic_sort_in_shared if SIMULATOR else _bitonic_sort_gpu
 
 

@@ -37,13 +37,13 @@ are from that build.)
 Barriers: a round is bound by them (about 7 us a round on the H200 with the shared-memory scan
 and sort, 1 024 threads). On a GPU the two block scans take 1 barrier each (open scans, closed
 by the barrier after their sums), and a sort takes ``bitonic_sort_desc``'s GPU path
-(``kernels._primitives``: strides below 32 in registers, and more than ``T`` keys four a
-thread); the simulator runs the shared-memory versions of both.
+(``kernels._primitives``: strides below 32 in registers, and more than ``T`` keys two or
+four a thread); the simulator runs the shared-memory versions of both.
 
 Shared memory (static in this kernel, on a GPU): ``G`` 8 448 B, depths 2 112 B, candidates 16 384 B,
 ``plist``, ``offsets`` and ``newpos`` 12 672 B, the round's first ``min(K, B)`` log-probs
-4 224 B, the block scan's 64 B (one int32 a warp; one a thread on the simulator): 43 912 B of the
-49 152 B a static allocation may take.
+4 224 B, the block scan's 64 B (one int32 a warp; one a thread on the simulator), ``state``
+8 B: 43 912 B of the 49 152 B a static allocation may take.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ SCAN_SCRATCH = block_scan_scratch(LEVEL_THREADS)        # the block scan's share
 # What the arrays and key fields above assume (a change to one constant must keep them true)
 assert CHUNK % LEVEL_THREADS == 0 and CHUNK & (CHUNK - 1) == 0 and CHUNK <= CAND_CAP
 assert CAND_CAP >= NODE_CAPACITY and LEVEL_THREADS * G_HELD >= NODE_CAPACITY
-assert NODE_CAPACITY <= 2048                            # a rank field of 11 bits
+RANK_RADIX = 2048      # a key's low word: (parent + 1) * RANK_RADIX + rank: an 11-bit rank
+assert NODE_CAPACITY <= RANK_RADIX
 LOW = uint64(0xFFFFFFFF)
 NEG_INF = float32(-float("inf"))
 
@@ -81,7 +82,7 @@ NEG_INF = float32(-float("inf"))
 @cuda.jit(device=True, inline=True)
 def _pack(score, parent, rank):
     """The descending-order key of a node (see the module docstring)."""
-    low = uint64((parent + 1) * 2048 + rank)
+    low = uint64((parent + 1) * RANK_RADIX + rank)
     return (uint64(key_of_float(score)) << uint64(32)) | (LOW - low)
 
 
@@ -92,12 +93,12 @@ def _score(key):
 
 @cuda.jit(device=True, inline=True)
 def _parent(key):
-    return int32((LOW - (key & LOW)) // uint64(2048)) - 1
+    return int32((LOW - (key & LOW)) // uint64(RANK_RADIX)) - 1
 
 
 @cuda.jit(device=True, inline=True)
 def _rank(key):
-    return int32((LOW - (key & LOW)) % uint64(2048))
+    return int32((LOW - (key & LOW)) % uint64(RANK_RADIX))
 
 
 @cuda.jit(device=True, inline=True)
@@ -116,9 +117,10 @@ def _count_larger(keys, n, key):
 
 @cuda.jit(device=True, inline=True)
 def _scan_owned(values, n, scratch, tid, T):
-    """In place, the inclusive prefix sums of ``values[0:n]``: thread ``t`` owns the
-    contiguous span ``[t s, (t + 1) s)``, ``s = ceil(n / T)``, sums it, and one block scan of
-    the span sums gives each thread its offset. Returns the total."""
+    """All threads of the block, after a barrier that put ``values[0:n]`` in place (it has
+    a block scan and barriers). In place, the inclusive prefix sums of ``values[0:n]``:
+    thread ``t`` owns the contiguous span ``[t s, (t + 1) s)``, ``s = ceil(n / T)``, sums it,
+    and one block scan of the span sums gives each thread its offset. Returns the total."""
     span = (n + T - 1) // T
     first = tid * span
     last = min(first + span, n)
@@ -221,7 +223,7 @@ def select_levels(lp, B, parents, depths, log_weights, next_token, next_sibling,
                             hi = mid
                         else:
                             lo = mid + 1
-                    r = g - (offsets[lo - 1] if lo > 0 else 0)
+                    r = g - (offsets[lo - 1] if lo > 0 else 0)     # its rank in the row
                     pp = plist[lo]
                     if pp != -2:                           # parent still in G
                         s_u = float32(0.0) if pp < 0 else _score(g_key[pp])
@@ -290,7 +292,7 @@ def select_levels(lp, B, parents, depths, log_weights, next_token, next_sibling,
         count = _scan_owned(newpos, n, scratch, tid, T)
         for i in range(tid, n, T):
             if g_depth[i] == d:
-                plist[newpos[i] - 1] = i
+                plist[newpos[i] - 1] = i                   # inclusive count - 1: its slot
         if tid == 0:
             state[1] = count
         cuda.syncthreads()                                 # plist complete for the next round
@@ -322,7 +324,8 @@ def select_levels(lp, B, parents, depths, log_weights, next_token, next_sibling,
     n2 = 1
     while n2 < n:
         n2 *= 2
-    for i in range(tid, n2, T):                            # (parent node, rank, node)
+    # (parent node, rank, node) as bits 32-63, 16-31 and 0-15 (nodes < MAX_NODES < 2**16)
+    for i in range(tid, n2, T):
         cand[i] = uint64(0)
         if i < n:
             parent, _, rank = _node_fields(g_key[i], g_depth[i], i + 1, L, K)

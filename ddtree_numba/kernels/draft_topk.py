@@ -19,10 +19,10 @@ Phases of a block (``T`` threads, ``v`` strided by ``T``: coalesced)::
     1. one pass over the row: the largest key (the max logit m) and a 2048-bin
        histogram of key bits 31..21 (shared-memory atomics)                   V reads
     2. the bin t holding the K-th largest key: a block suffix scan of the histogram
-       if more than CAP keys share bin t: refine on bits 20..10, then 9..0,
+       if more than TIE_CAP keys share bin t: refine on bits 20..10, then 9..0,
        re-reading the row (from L2) and counting only keys in the chosen bin   (rare)
     3. one more pass: sum of exp(x - m) for the log-sum-exp, and the candidates: keys
-       above the threshold bin and keys in it (at most K - 1 + CAP), appended with
+       above the threshold bin and keys in it (at most K - 1 + TIE_CAP), appended with
        a shared atomic counter                                               V reads
     4. bitonic sort of the candidates in shared memory (descending uint64), write the
        first K: log-prob = x - lse, id                                            K writes
@@ -189,7 +189,7 @@ def _make_select_top(bf16: bool):
                 if v0 + u * T < hi:
                     key = orderable_key(buf[u])
                     max_key = max(max_key, key)
-                    cuda.atomic.add(hist, int32(key >> uint32(21)), 1)
+                    cuda.atomic.add(hist, int32(key >> uint32(LEVEL_SHIFT[0])), 1)
         m = float_of_key(block_max(red_u, max_key, tid, T))   # max logit (-inf allowed)
 
         # 2. radix select of the kk-th largest key
@@ -197,7 +197,7 @@ def _make_select_top(bf16: bool):
         prefix = uint32(0)                  # key bits fixed so far ...
         mask = uint32(0)                    # ... and which bits those are
         ties = 0
-        for level in range(3):
+        for level in range(len(LEVEL_SHIFT)):
             shift = uint32(LEVEL_SHIFT[level])
             digit_mask = uint32(LEVEL_MASK[level])
             if level > 0:                   # count the next digit of keys in the chosen bin
@@ -462,7 +462,9 @@ def _clean_step_in_shared(lists, n_slots, stride, t, T):
 @cuda.jit(device=True, inline=True)
 def _merge_round_in_shared(lists, half, k2, log_k2, t, T):
     """A round of :func:`merge_parts` step by step in shared memory (the simulator's: it has
-    no shuffles). Steps of stride 32 or less wait for their warp only."""
+    no shuffles). A step of stride 32 or less calls ``sync_warp``, which the simulator makes
+    a block barrier (it has no warp barrier of its own): there every step waits for the whole
+    block."""
     _pairing_in_shared(lists, half, k2, log_k2, t, T)
     stride = k2 // int32(2)
     _merge_barrier(int32(32), stride)       # the winners in place
@@ -561,8 +563,8 @@ def merge_parts(part_keys, part_max, part_sum, row_id, k, lists, stats, tid, T, 
     and no barrier; lists of up to 64 keys pair in those registers too. A stride of 64 or more
     moves slots between warps: shared memory and a block barrier, as at the end of a round
     (the next round reads lists other warps wrote). The simulator, which has no shuffles,
-    takes each step in shared memory (``_merge_round_in_shared``), a warp's wait between the
-    narrow ones. Loops over a thread's pairs are ``while`` loops: a ``range`` with a runtime
+    takes each step in shared memory (``_merge_round_in_shared``), a block barrier between
+    any two. Loops over a thread's pairs are ``while`` loops: a ``range`` with a runtime
     bound has numba work out its trip count in 64-bit signed arithmetic at every entry, some
     50 instructions on the step's critical path.
     """

@@ -2,12 +2,14 @@
 top-p per request), the reference's math (``reference.sampling_probs``) in float32.
 
 One block per row of logits (grid ``bs N``, ``PROB_THREADS`` threads; the row belongs to
-request ``row // N``). Thread ``tid`` owns the columns ``tid, tid + T, ...`` of the row and
+request ``row // N``). Thread ``tid`` owns the columns ``tid, tid + PROB_THREADS, ...`` of the
+row and
 folds them in that order; block results come from a tree in shared memory
 (``_primitives.block_sum`` / ``block_max``), so every sum has one fixed order and a row's
 result never depends on the rest of the launch. The row is read, not stored: each pass
 recomputes ``z = x / T`` (and ``exp``) from the logits. A pass loads ``UNROLL`` of its
-columns (``c, c + T, ..., c + 7 T``) before it uses any of them: eight loads in flight a thread,
+columns (``c, c + PROB_THREADS, ..., c + 7 PROB_THREADS``; ``T`` below is the temperature)
+before it uses any of them: eight loads in flight a thread,
 where a plain strided loop keeps one, and the order of the fold is unchanged.
 
 * ``T < limits.GREEDY_TEMPERATURE`` (1e-5): the first index of the maximum (a block argmax),
@@ -75,8 +77,9 @@ GROUP = UNROLL * PROB_THREADS
 
 @cuda.jit(device=True, inline=True)
 def _argmax_first(logits, row, red, red_i, tid, V):
-    """The first index of the row's maximum: each thread's first maximum in column order,
-    then the block's largest value and, among equal values, the smallest index."""
+    """All threads of the block (block reductions, with barriers): the first index of the
+    row's maximum: each thread's first maximum in column order, then the block's largest
+    value and, among equal values, the smallest index."""
     value, index = NEG_INF, int32(V)
     col = tid
     while col + WHOLE < V:
@@ -92,12 +95,12 @@ def _argmax_first(logits, row, red, red_i, tid, V):
         col += PROB_THREADS
     top = block_max(red, value, tid, PROB_THREADS)
     candidate = index if value == top else int32(V)
-    return -block_max(red_i, -candidate, tid, PROB_THREADS)
+    return -block_max(red_i, -candidate, tid, PROB_THREADS)   # the minimum, by negation
 
 
 @cuda.jit(device=True, inline=True)
 def _max_scaled(logits, row, T, red, tid, V):
-    """The row's maximum of ``z = x / T``."""
+    """All threads of the block (a block reduction): the row's maximum of ``z = x / T``."""
     z_max = NEG_INF
     col = tid
     while col + WHOLE < V:
@@ -112,7 +115,8 @@ def _max_scaled(logits, row, T, red, tid, V):
 
 @cuda.jit(device=True, inline=True)
 def _count_at_least(logits, row, T, key, red_i, tid, V):
-    """How many ``z = x / T`` of the row have an order key ``>= key``."""
+    """All threads of the block (a block reduction): how many ``z = x / T`` of the row have
+    an order key ``>= key``."""
     count = int32(0)
     col = tid
     while col + WHOLE < V:
@@ -140,7 +144,8 @@ def _weight(x, T, z_max, kth_key, tau_bits):
 
 @cuda.jit(device=True, inline=True)
 def _kept_mass(logits, row, T, z_max, kth_key, tau_bits, red, tid, V):
-    """The float32 sum of the kept weights, each thread in column order, then the tree."""
+    """All threads of the block (a block reduction): the float32 sum of the kept weights,
+    each thread in column order, then the tree."""
     mass = float32(0.0)
     col = tid
     while col + WHOLE < V:

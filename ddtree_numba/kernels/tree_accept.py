@@ -70,6 +70,7 @@ def write_accept_rows(b, path, k, bonus, tokens, tid, threads, N, accept_nodes, 
         token = int32(-1)
         if i <= k:                                  # (a few threads: k <= L in practice)
             node = path[i]
+            # row i: the token of the node accepted after path[i] (the bonus after the last)
             token = bonus if i == k else tokens[path[i + 1]]
         nodes_row[i] = node
         tokens_row[i] = token

@@ -139,6 +139,8 @@ def _residual_sample(token_ids, next_token, next_sibling, values, b, cur, dist, 
             while found > 0 and chunk_sum[found] == 0:      # with mass)
                 found -= 1
         lo = found * SAMPLE_CHUNK
+        # use_removed: the pass whose total was used (the loop above ended on it; False
+        # where the fall-back without removal ran)
         removed = removed_mask(token_ids, next_token, next_sibling, b, cur, lo, N,
                                use_removed)
         bonus = -1
