@@ -433,6 +433,7 @@ def build_tree_corners_layout(out: str) -> None:
     (parents in pop order as rows), the corners whose candidates the warp holds, the pop and
     the runner-up."""
     from ddtree_numba.reference.build_tree import best_first
+    from ddtree_numba.reference.build_tree_corners import best_first_by_corners
 
     plt = _plt()
     L, K, count = 15, 8, 30
@@ -440,15 +441,12 @@ def build_tree_corners_layout(out: str) -> None:
     with np.errstate(divide="ignore"):              # a probability 0 is a -inf log-prob
         lp = np.sort(np.log(rng.dirichlet(np.full(64, 0.05), size=L)).astype(np.float32),
                      axis=1)[:, ::-1][:, :K].copy()
-    parents, depths, _, scores = best_first(lp, count - 1)      # nodes 0 .. count - 1
+    corners = set()                                             # the model's frontier
+    (parents, depths, _, scores), _ = best_first_by_corners(lp, count - 1, corners)
     taken = np.bincount(np.array(parents[1:]), minlength=count)
-    cands = {}                                                  # corner u -> its score
     levels = [[u for u in range(count) if depths[u] == d] for d in range(L)]
-    for level in levels:
-        for j, u in enumerate(level):
-            if (depths[u] < L and taken[u] < K and (j == 0 or taken[level[j - 1]] > taken[u])
-                    and np.isfinite(scores[u] + lp[depths[u], taken[u]])):
-                cands[u] = np.float32(scores[u] + lp[depths[u], taken[u]])
+    cands = {u: np.float32(scores[u] + lp[depths[u], taken[u]]) for u in corners}
+    cands = {u: s for u, s in cands.items() if np.isfinite(s)}  # corner u -> its score
     order = sorted(cands, key=lambda u: (-cands[u], u))         # largest, then smallest node
     pop, runner_up = order[0], order[1]
     assert best_first(lp, count)[0][count] == pop, "the corners' best is not the next pop"
@@ -475,7 +473,7 @@ def build_tree_corners_layout(out: str) -> None:
     axes[0].set_ylabel("child rank", fontsize=9)
     fig.supxlabel("the parents of each depth, by node index (pop order)", fontsize=9, y=-0.04)
     fig.suptitle("\n".join([
-        f"build_tree, corners select, after {count} pops of a real tree (L {L}, K {K}). Blue: "
+        f"build_tree, corners select, after {count - 1} pops of a real tree (L {L}, K {K}). Blue: "
         f"children taken;",
         "each parent's next candidate is the cell above its column: orange where the parent "
         "is a corner",

@@ -45,3 +45,18 @@ def test_the_frontier_searched_is_small_and_the_order_breaks_ties_by_parent_then
     assert ranks == [-1, 0, 1, 0, 1, 0, 1]
     assert depths == [0, 1, 1, 2, 2, 2, 2]
     assert most <= 2 * 2
+
+
+def test_frontier_holds_the_next_pop():
+    """``frontier`` (the docs' picture reads it): after ``B`` pops, the corners left hold the
+    reference's next pop as their best finite candidate, and each has a next child."""
+    rng = np.random.default_rng(5)
+    for budget in (1, 7, 30):
+        lp = sorted_rows(rng, 6, 8, "log_softmax")
+        frontier = set()
+        (parents, depths, _, scores), _ = best_first_by_corners(lp, budget, frontier)
+        taken = np.bincount(np.array(parents[1:], dtype=int), minlength=len(parents))
+        assert frontier and all(depths[u] < 6 and taken[u] < 8 for u in frontier)
+        best = min(frontier, key=lambda u: (-np.float32(scores[u] + lp[depths[u], taken[u]]),
+                                            u))
+        assert best_first(lp, budget + 1)[0][budget + 1] == best

@@ -58,7 +58,7 @@ def corner_bound(L: int, budget: int) -> int:
     return min(budget + 1, L + math.isqrt(2 * L * budget))
 
 
-def best_first_by_corners(lp: np.ndarray, budget: int):
+def best_first_by_corners(lp: np.ndarray, budget: int, frontier: set | None = None):
     """The reference's pop order, searching only the frontier's corners (module docstring).
 
     Parameters
@@ -67,6 +67,9 @@ def best_first_by_corners(lp: np.ndarray, budget: int):
         ``float32[L, K]``: the per-depth log-probs, rows sorted descending, ``<= 0``.
     budget : int
         ``B``, the nodes to take after the root.
+    frontier : set, optional
+        Filled with the corners left after the last pop (the nodes whose candidates the
+        next pop would search; ``-inf`` ones included).
 
     Returns
     -------
@@ -124,4 +127,6 @@ def best_first_by_corners(lp: np.ndarray, budget: int):
                 corners.discard(v)
                 if is_corner(v):
                     corners.add(v)
+    if frontier is not None:
+        frontier.update(corners)
     return (parents, depths, ranks, scores), most
