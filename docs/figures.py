@@ -430,8 +430,8 @@ def build_tree_layout(out: str) -> None:
 
 def build_tree_corners_layout(out: str) -> None:
     """The corners select at one pop of a real tree: each level's staircase of taken children
-    (parents in pop order as rows), the corners whose candidates the warp holds, the pop and
-    the runner-up."""
+    (parents in pop order as rows), the corners whose candidates the warp holds, and the next
+    pop."""
     from ddtree_numba.reference.build_tree import best_first
     from ddtree_numba.reference.build_tree_corners import best_first_by_corners
 
@@ -448,7 +448,7 @@ def build_tree_corners_layout(out: str) -> None:
     cands = {u: np.float32(scores[u] + lp[depths[u], taken[u]]) for u in corners}
     cands = {u: s for u, s in cands.items() if np.isfinite(s)}  # corner u -> its score
     order = sorted(cands, key=lambda u: (-cands[u], u))         # largest, then smallest node
-    pop, runner_up = order[0], order[1]
+    pop = order[0]
     assert best_first(lp, count)[0][count] == pop, "the corners' best is not the next pop"
     shown = [d for d in range(L) if levels[d]][:5]
     fig, axes = plt.subplots(1, len(shown), figsize=(8, 4.2),
@@ -462,10 +462,9 @@ def build_tree_corners_layout(out: str) -> None:
             if taken[u] < K:
                 img[taken[u], j] = (1.0, 0.85, 0.55) if u in cands else (0.85, 0.85, 0.85)
         ax.imshow(img, aspect="auto", interpolation="nearest", origin="lower")
-        for u, colour in ((pop, "red"), (runner_up, "darkorange")):
-            if u in level:
-                ax.plot(level.index(u), taken[u], marker="*", markersize=16, color=colour,
-                        markeredgecolor="k")
+        if pop in level:
+            ax.plot(level.index(pop), taken[pop], marker="*", markersize=16, color="red",
+                    markeredgecolor="k")
         ax.set_xticks(range(len(level)), [str(u) for u in level], fontsize=7, rotation=90)
         ax.set_xlabel(f"depth {d}", fontsize=8)
         ax.set_yticks(range(K))
@@ -480,9 +479,9 @@ def build_tree_corners_layout(out: str) -> None:
         "(the first of its depth, or its predecessor has more children), grey where the "
         "predecessor's",
         f"candidate dominates it. Warp 0 holds the {len(cands)} corners' candidates in "
-        "registers. Red star: the next pop;",
-        "orange star: the runner-up, which the warp reduces while the pop's loads are on "
-        "their way."]), fontsize=9, x=0.02, ha="left", y=1.12)
+        "registers; two warp reductions",
+        "find the best of them, the next pop (red star)."]), fontsize=9, x=0.02, ha="left",
+        y=1.12)
     fig.savefig(os.path.join(out, "layout_build_tree_corners.png"), dpi=100,
                 bbox_inches="tight")
     plt.close(fig)

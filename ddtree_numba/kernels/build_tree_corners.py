@@ -21,16 +21,13 @@ keeps its own best slot in ``best_key``, ``best_node``, ``best_q``.
 **A pop**, with every lane of warp 0 computing the same values (the warp is uniform except for
 its slots):
 
-1. The pop ``(hi, u)`` is known to every lane when the pop starts (step 6 of the one before;
-   the first is the root's candidate): the popped score is ``float(hi)``, and ``hi == 0``
-   means nothing finite is left.
+1. ``hi`` = the warp's largest ``best_key`` (one ``redux.sync.max``); ``lo`` = the largest
+   ``~best_node`` among the lanes whose key is ``hi`` (a second one): ``u = ~lo``, the popped
+   score is ``float(hi)``. ``hi == 0``: nothing finite is left.
 2. Two rounds of shared-memory loads: ``u``'s rank ``r = taken[u]``, depth ``d``, score,
    level neighbours ``pred[u]`` and ``succ[u]`` (the nodes of depth ``d`` popped just before and
    just after it) and newest child; then ``taken`` of both neighbours, ``succ``'s score, three
-   log-probs and the newest node of depth ``d + 1``. While each round is on its way, the warp
-   finds the *runner-up*, its best slot other than the pop: ``run_hi`` = the largest of each
-   lane's best key (in the popped lane, its best other slot's; one ``redux.sync.max``), then
-   ``run_lo`` = the largest ``~node`` among the lanes holding ``run_hi`` (a second one).
+   log-probs and the newest node of depth ``d + 1``.
 3. The three corners the pop changes (the reference module's docstring):
 
    * ``u`` itself, now with ``taken[u] = r + 1``: still a corner if ``r + 1 < K`` and its
@@ -49,20 +46,19 @@ its slots):
    lowest and the highest lane with an empty slot (a ``ballot`` taken before the pop; when they
    are one lane, it has two empty slots, because ``32 P`` covers the bound after the pop). Each
    lane then rebuilds its best slot over its ``P`` slots (unrolled: registers only).
-6. The next pop: the slots now hold what they held, less the pop, plus at most the three
-   new corners, so the next pop is the best of the runner-up ``(run_hi, ~run_lo)`` and the three
-   new candidates (largest key, then smallest node), computed alike by every lane from
-   values every lane holds: no reduction after the loads.
 
-So a pop's chain is two dependent rounds of shared-memory loads, one ``syncwarp`` and
-arithmetic on registers; the two ``redux`` run beside the loads instead of leading the
-chain. No shared-memory frontier and no rescan.
+So a pop is two ``redux``, two dependent rounds of shared-memory loads and one ``syncwarp``,
+plus arithmetic on registers; no shared-memory frontier and no rescan.
 
-Unchecked input that breaks the rules (a log-prob ``> 0``, NaN) breaks the argument that the
-next pop is a corner's candidate: the tree is then wrong, but every index stays in bounds
-(ranks below ``K``, depths at most ``L``, node indices at most the budget). The number of corners
-stays within ``32 P`` whatever the scores, since only corners pop and the bound counts children
-alone; a corner that found no empty slot would be dropped, not written out of bounds.
+The chain starts with the two reductions. Reducing the *runner-up* (the warp's best slot but
+the pop) beside the loads instead, and taking the next pop as the best of it and the three new
+corners, was built and timed on an H100: 1 % faster at budget 64, 4-13 % slower from budget
+128, where ``P`` is larger (``benchmarks/NOTES.md``). This kernel keeps the shorter loop.
+
+Unchecked input that breaks the rules (a log-prob ``> 0``, NaN) can break the staircase; the
+tree is then wrong, but every index stays in bounds (ranks below ``K``, depths at most ``L``,
+node indices at most the budget), and a corner that finds no empty slot is dropped, not
+written out of bounds.
 
 Shared memory (static, per block)::
 
@@ -115,15 +111,6 @@ def _finite_key(score):
     branch: this runs three times a pop on the warp's critical path."""
     key = key_of_float(score)
     return key if score > NEG_INF else uint32(0)
-
-
-@cuda.jit(device=True, inline=True)
-def _beats(key, node, best_key, best_node):
-    """Whether candidate ``(key, node)`` pops before ``(best_key, best_node)``: a larger key,
-    or the same nonzero key and a smaller node (the reference's order; key 0 is no
-    candidate). Bitwise ``&`` and ``|``, not ``and`` and ``or``: no branch, so the compares
-    of a pop stay one straight run of selects."""
-    return (key > best_key) | ((key == best_key) & (key != 0) & (node < best_node))
 
 
 @cache
@@ -194,15 +181,17 @@ def corners_select_kernel(P: int):
             best_q = uint32(0)
             # bit q set: slot q is empty (all of them, but slot 0 where it took the root's)
             empty = uint32((1 << P) - 1) if best_key == 0 else uint32((1 << P) - 2)
-            # the first pop, (hi, u): the root's candidate, the only one (every lane alike)
-            hi = _finite_key(float32(0.0) + lp_cache[0])
-            u = uint32(0)
 
             count = uint32(1)
             while count <= B32:                     # count - 1 pops so far, of B
-                # 1. the pop (hi, u) is known (uniform): found at the end of the last pop
+                lanes_empty = cuda.ballot_sync(FULL_MASK, empty != uint32(0))   # read in step 5
+
+                # 1. the largest slot of the warp: its key, then the smallest node holding it
+                hi = warp_max_u32(best_key)
                 if hi == 0:                         # nothing finite left (uniform)
                     break
+                lo = warp_max_u32(uint32(~best_node) if best_key == hi else uint32(0))
+                u = uint32(~lo)                     # the parent; the pop is (u, taken[u])
                 mine = best_key == hi and best_node == u    # one lane: nodes are distinct
                 s_pop = float_of_key(hi)            # exact: the key is a bijection
 
@@ -213,21 +202,6 @@ def corners_select_kernel(P: int):
                 before = int32(node[PRED, u])       # -1: u is the first of its depth
                 after = int32(node[SUCC, u])        # -1: u is the newest of its depth
                 older = int32(node[LAST_CHILD, u])  # -1: this is u's first child
-                # While these loads are on their way: the runner-up, the warp's largest slot
-                # but the popped one (each lane's best slot, in the popped lane its best
-                # other one: the same rule as the rebuild, without a branch). Only step 6
-                # needs it, so its two reductions are issued here and after the next round
-                # of loads (a redux is an asm statement that no load is moved across); a
-                # pop's chain no longer starts with them.
-                run_key = uint32(0)
-                run_node = uint32(0)
-                for q in range(P):
-                    k = slot_key[q]
-                    n = slot_node[q]
-                    if _beats(k, n, run_key, run_node) & ((not mine) | (uint32(q) != best_q)):
-                        run_key, run_node = k, n
-                run_hi = warp_max_u32(run_key)
-                lanes_empty = cuda.ballot_sync(FULL_MASK, empty != uint32(0))   # read in step 5
                 r1 = uint32(r + ONE)
                 d1 = uint32(d + ONE)
                 newest = int32(level_last[d1])      # the node before c at depth d + 1
@@ -241,8 +215,6 @@ def corners_select_kernel(P: int):
                 lp_popped = _log_prob(lp, lp_cache, b, d, r, R32)
                 lp_next = _log_prob(lp, lp_cache, b, d, r1, R32) if r < last_rank else NEG_INF
                 lp_child = lp_cache[uint32(d1 * R32)] if d < last_depth else NEG_INF
-                # the runner-up's node: the smallest among the lanes holding its key
-                run_lo = warp_max_u32(uint32(~run_node) if run_key == run_hi else uint32(0))
 
                 # 3. the three corners the pop changes; key 0: none (or -inf)
                 key_u = uint32(0)                   # u's next candidate (u, r + 1)
@@ -314,23 +286,10 @@ def corners_select_kernel(P: int):
                         k, n = second_key, second_node
                     slot_key[q] = k
                     slot_node[q] = n
-                    if _beats(k, n, best_key, best_node):
+                    if k > best_key or (k == best_key and k != 0 and n < best_node):
                         best_key, best_node, best_q = k, n, uint32(q)
                     if k == 0:
                         empty |= uint32(1 << q)
-
-                # 6. the next pop: the largest of the runner-up and the three new corners (the
-                #    slots now hold exactly these, less the pop), ties to the smallest node
-                next_hi = run_hi
-                next_u = uint32(~run_lo)
-                if _beats(key_u, u, next_hi, next_u):
-                    next_hi, next_u = key_u, u
-                if _beats(key_after, v_after, next_hi, next_u):
-                    next_hi, next_u = key_after, v_after
-                if _beats(key_c, c, next_hi, next_u):
-                    next_hi, next_u = key_c, c
-                hi = next_hi
-                u = next_u
                 count = uint32(count + ONE)
             if lane == 0:
                 count_s[0] = count

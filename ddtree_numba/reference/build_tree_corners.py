@@ -39,9 +39,8 @@ last parent of the next level (a corner iff its depth is below ``L`` and it is t
 or its predecessor has a child). No other node's test reads a changed count. On a GPU that is
 a warp per request, its corners' keys in registers: a pop is a warp-wide maximum (two
 ``redux.sync``: the orderable score, then the smallest node holding it) and three slot
-updates, instead of ``build_tree``'s rescans of 33-node groups in shared memory. (The kernel
-reduces the runner-up beside each pop's loads and takes the next pop from it and the three
-new corners: ``kernels.build_tree_corners``.)
+updates, instead of ``build_tree``'s rescans of 33-node groups in shared memory
+(``kernels.build_tree_corners``).
 """
 
 from __future__ import annotations
