@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched GPU session: the test suite on the device, then every benchmark.
 # Logs and CSVs go to $OUT (the device tool brings them back). Usage, from the repo root:
-#   bash benchmarks/run_gpu.sh [all|tests|tests-a|tests-b|bench|profile|attn|attn-mma|
+#   bash benchmarks/run_gpu.sh [all|tests|tests-a|tests-b|tests-c|bench|profile|attn|attn-mma|
 #                               attn-profile|attn-mma-stalls|small|step|sampling|phases|
 #                               targets|ab]
 set -uo pipefail
@@ -20,22 +20,26 @@ export PYTHONPATH=$site$PWD
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu \
     --format=csv | tee "$OUT/gpu.txt"
 python3 -m ddtree_numba info | tee -a "$OUT/gpu.txt"
-if [ "$what" = tests ] || [ "$what" = tests-a ] || [ "$what" = tests-b ] || [ "$what" = all ]
+if [ "$what" = tests ] || [ "$what" = tests-a ] || [ "$what" = tests-b ] \
+    || [ "$what" = tests-c ] || [ "$what" = all ]
 then
-    # With 16 workers (H200 host, 16 cores) the whole suite no longer fits one device command
-    # of 600 s (about 2 000 tests; on 2026-12-05 tests-b took 216 s, and tests-a had 98 % done
-    # at 400 s): run tests-a and tests-b as two commands. The files of whole steps and
-    # examples go first: each of their tests takes one to four minutes while its worker
-    # compiles the step's kernels, so none may start late (xdist deals the first quarter of
-    # the tests round-robin in command-line order, then hands out the rest one at a time as
-    # workers finish: conftest.py). tests-a runs those files alone, tests-b the rest.
-    first="tests/test_examples.py tests/test_greedy_step.py tests/test_sampled_step.py
-           tests/test_tree_sample_lossless.py tests/test_deepseek_v3.py tests/test_verify_attn.py
-           tests/test_build_tree.py"
+    # With 16 workers (16 cores) the whole suite does not fit one device command of 600 s
+    # (about 2 000 tests): run tests-a, tests-b and tests-c as three commands. The files of
+    # whole steps and examples go first: each of their tests takes one to four minutes while
+    # its worker compiles the step's kernels, so none may start late (xdist deals the first
+    # quarter of the tests round-robin in command-line order, then hands out the rest one at a
+    # time as workers finish: conftest.py). On a fresh H100 on 2026-12-05, tests-b took 487 s
+    # (the kernels compiled from nothing) and the files now split into tests-a and tests-c had
+    # run 98 % of their tests when the 585 s limit cut them, the rest all whole steps.
+    first_a="tests/test_examples.py tests/test_greedy_step.py"
+    first_c="tests/test_sampled_step.py tests/test_tree_sample_lossless.py
+             tests/test_deepseek_v3.py tests/test_verify_attn.py tests/test_build_tree.py"
+    first="$first_a $first_c"
     rest=$(ls tests/test_*.py | grep -v -x -F "$(tr -s ' \n' '\n' <<< "$first")")
     case $what in
-        tests-a) files=$first ;;
+        tests-a) files=$first_a ;;
         tests-b) files=$rest ;;
+        tests-c) files=$first_c ;;
         *) files="$first $rest" ;;
     esac
     # shellcheck disable=SC2086  # the file lists are meant to split into arguments
