@@ -19,9 +19,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# A hang guard, not a speed limit: the report for one target (46 compilations) takes about 3
-# minutes on 2 idle cores, 6 CPU minutes, more beside the other tests of a CI run (the
-# tensor-core kernel alone takes some 20 s a target).
+# A hang guard, not a speed limit: the report for one target (59 compilations) takes about 12
+# CPU minutes, most of it numba inlining device functions (docs/sm120.md); beside the other
+# tests of a CI run on 2 cores the fixture took 676 s on 2026-12-05.
 REPORT_TIMEOUT_S = 1500
 # sm_120, the target, everywhere; sm_90 too where a GPU (and its host's cores) runs the suite
 TARGETS = ("12.0", "9.0") if os.environ.get("DDTREE_GPU", "0") == "1" else ("12.0",)

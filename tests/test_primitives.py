@@ -53,7 +53,7 @@ def test_block_sum_and_max_every_thread_gets_the_result():
     assert (out_max == keys.max()).all()
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _min(a, b):
     return min(a, b)
 

@@ -114,15 +114,15 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def bits_to_float(bits):
         return cuda.libdevice.int_as_float(int32(bits))
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def float_to_bits(x):
         return uint32(cuda.libdevice.float_as_int(x))
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def mul_rn(a, b):
         return cuda.libdevice.fmul_rn(a, b)    # rounded alone: never fused into an FMA
 
@@ -178,7 +178,7 @@ else:
         return types.uint32(types.uint32), codegen
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def bfloat16_bits(x):
     """The bits of ``x`` (float32) rounded to bfloat16, to nearest, ties to even (what numpy's
     ``ml_dtypes.bfloat16`` cast and CUDA's ``__float2bfloat16_rn`` do); a NaN becomes the
@@ -194,7 +194,7 @@ def bfloat16_bits(x):
     return uint16((bits + uint32(0x7FFF) + ((bits >> uint32(16)) & uint32(1))) >> uint32(16))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def orderable_key(bits):
     """float32 bits -> uint32 key, unsigned order = float order (-0.0 == +0.0)."""
     if bits == SIGN:                        # -0.0 -> +0.0
@@ -204,7 +204,7 @@ def orderable_key(bits):
     return uint32(bits | SIGN)              # non-negative: set the sign bit
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def bits_of_key(key):
     """Inverse of :func:`orderable_key` (``+0.0`` for the key of ``-0.0``)."""
     if key & SIGN:
@@ -212,12 +212,12 @@ def bits_of_key(key):
     return uint32(~key & ALL_BITS)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def key_of_float(x):
     return orderable_key(float_to_bits(x))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def float_of_key(key):
     return bits_to_float(bits_of_key(key))
 
@@ -231,7 +231,7 @@ def make_block_reduce(op):
     of ``T`` threads (a power of two), by a tree in the shared array ``red[0:T]``. ``op`` is a
     device function of two values; numba compiles one reduction per ``op`` (a closure)."""
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def block_reduce(red, value, tid, T):
         red[tid] = value
         cuda.syncthreads()                      # all values stored
@@ -248,12 +248,12 @@ def make_block_reduce(op):
     return block_reduce
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _add(a, b):
     return a + b
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _max(a, b):
     return max(a, b)
 
@@ -262,7 +262,7 @@ block_sum = make_block_reduce(_add)     # block_sum(red, value, tid, T): sum ove
 block_max = make_block_reduce(_max)     # block_max(red, value, tid, T): max over the block
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def warp_max_key(key):
     """The largest uint32 ``key`` of the warp, to every lane: five ``shfl.xor`` steps (lane
     ``l`` takes the max with lane ``l ^ 16``, then ``l ^ 8``, ...). Not ``redux.sync``
@@ -276,7 +276,7 @@ def warp_max_key(key):
     return uint32(best)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def warp_max_f32(value):
     """The largest float32 ``value`` of the warp, to every lane: the same five ``shfl.xor``
     steps as :func:`warp_max_key` (lane ``l`` takes the max with lane ``l ^ 16``, then
@@ -288,7 +288,7 @@ def warp_max_f32(value):
     return value
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def warp_sum_f32(value):
     """The sum of one float32 a lane, to every lane: five ``shfl.xor`` steps. The two lanes of
     a pair add the same two values in either order (float addition commutes), so every lane
@@ -300,7 +300,7 @@ def warp_sum_f32(value):
     return value
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _block_max_u32_by_warps(red, value, tid, T):
     """Max of one uint32 a thread over a block of whole warps: a shuffle tree in each warp
     (lane ``l`` takes the max with lane ``l ^ 16``, ``l ^ 8``, ...; every lane ends with the
@@ -317,7 +317,7 @@ def _block_max_u32_by_warps(red, value, tid, T):
     return total
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _block_sum_f32_by_warps(red, value, tid, T):
     """Sum of one float32 a thread, as :func:`_block_max_u32_by_warps`. Every thread adds the
     warp sums in the same order (warp 0 first) and the butterfly's two lanes of a pair add
@@ -340,7 +340,7 @@ block_max_u32 = block_max if SIMULATOR else _block_max_u32_by_warps
 block_sum_f32 = block_sum if SIMULATOR else _block_sum_f32_by_warps
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _hillis_steele_scan_open(scratch, value, tid, T):
     """``(inclusive, total)`` of one int32 per thread, in ``scratch[0:T]`` (see above),
     without a closing barrier."""
@@ -356,7 +356,7 @@ def _hillis_steele_scan_open(scratch, value, tid, T):
     return scratch[tid], scratch[T - 1]
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def warp_inclusive_scan(x, lane):
     """Inclusive sum of ``x`` over lanes ``0 .. lane`` of a full warp (five shuffles)."""
     offset = 1
@@ -368,7 +368,7 @@ def warp_inclusive_scan(x, lane):
     return x
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _warp_shuffle_scan_open(scratch, value, tid, T):
     """``(inclusive, total)`` of one int32 per thread: warps scan in registers, then every warp
     scans the ``T / 32`` warp totals held in ``scratch[0:T / 32]`` (see above). No closing
@@ -415,14 +415,14 @@ if SIMULATOR:
 
 else:
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def sync_warp():
         """Every lane of the warp waits here, and its shared-memory writes before it are
         visible to the warp's other lanes after it (``bar.warp.sync``, full mask)."""
         cuda.syncwarp(FULL_MASK)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _bitonic_sort_in_shared(keys, n, tid, T):
     """Sort ``keys[0:n]`` descending in place (``n`` a power of two; shared memory)."""
     size = 2
@@ -443,7 +443,7 @@ def _bitonic_sort_in_shared(keys, n, tid, T):
         size *= 2
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _bitonic_sort_in_registers(keys, n, tid, T):
     """The same network for ``n <= T``: thread ``i`` holds element ``i`` in a register. A step
     of stride < 32 pairs two lanes of one warp: a shuffle, no barrier. A wider step goes
@@ -475,7 +475,7 @@ def _bitonic_sort_in_registers(keys, n, tid, T):
     cuda.syncthreads()                      # the sorted keys in place
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _keep(x, y, i, stride, size):
     """What element ``i`` of a bitonic step keeps, ``x`` its value and ``y`` its partner's
     (element ``i ^ stride``): in a descending run (``i & size == 0``) the lower index keeps the
@@ -483,14 +483,14 @@ def _keep(x, y, i, stride, size):
     return max(x, y) if (i < (i ^ stride)) == ((i & size) == 0) else min(x, y)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _exchange_in_shared(keys, x, i, n, stride, size):
     """One step of a stride between 32 and the block through ``keys``: element ``i`` (value
     ``x``) reads its partner; a thread's elements ``>= n`` keep their dummies."""
     return _keep(x, keys[i ^ stride], i, stride, size) if i < n else x
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _store_four(keys, n, i0, i1, i2, i3, x0, x1, x2, x3):
     """A thread's four elements (indices ``i0 < i1 < i2 < i3``, ``i0 < n``) into ``keys``,
     those below ``n``."""
@@ -503,7 +503,7 @@ def _store_four(keys, n, i0, i1, i2, i3, x0, x1, x2, x3):
         keys[i3] = x3
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _shuffle_step(x, i, stride, size):
     """One step of a stride below 32 for element ``i`` (value ``x``): its partner is the same
     register of lane ``tid ^ stride``. Every lane of the warp calls it (full mask); numba
@@ -511,7 +511,7 @@ def _shuffle_step(x, i, stride, size):
     return _keep(x, uint64(cuda.shfl_xor_sync(FULL_MASK, int64(x), stride)), i, stride, size)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _bitonic_sort_in_registers_x4(keys, n, tid, T):
     """The network for ``2 T < n <= 4 T`` (``n = 4 T`` for powers of two; ``n = 2 T`` takes
     :func:`_bitonic_sort_in_registers_x2`): thread ``t`` holds elements ``t``, ``t + T``,
@@ -560,7 +560,7 @@ def _bitonic_sort_in_registers_x4(keys, n, tid, T):
     cuda.syncthreads()                      # the sorted keys in place
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _bitonic_sort_in_registers_x2(keys, n, tid, T):
     """The network for ``n = 2 T`` (``T < n <= 2 T`` with both powers of two): thread ``t``
     holds elements ``t`` and ``t + T`` in two registers (``x0``, ``x1``), as
@@ -595,7 +595,7 @@ def _bitonic_sort_in_registers_x2(keys, n, tid, T):
     cuda.syncthreads()                      # the sorted keys in place
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _bitonic_sort_gpu(keys, n, tid, T):
     if n <= T:                              # uniform over the block: no barrier is skipped
         _bitonic_sort_in_registers(keys, n, tid, T)
@@ -613,7 +613,7 @@ def _bitonic_sort_gpu(keys, n, tid, T):
 bitonic_sort_desc = _bitonic_sort_in_shared if SIMULATOR else _bitonic_sort_gpu
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def sort_desc_any(keys, n, tid, T):
     """Sort ``keys[0:n]`` descending for any ``n``: pad to the next power of two ``n2`` with
     key 0 (``keys`` must hold ``n2``), then :data:`bitonic_sort_desc`. Every thread of the

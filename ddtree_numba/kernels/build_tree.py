@@ -171,7 +171,7 @@ def _select_scan_kernel(lp, budget, parents, depths, log_weights, next_token, ne
 # ------------------------------------------------------------------------------------------
 # Variant "warp": one warp per request, a two-level tournament (GPU only)
 # ------------------------------------------------------------------------------------------
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _log_prob(lp, lp_cache, b, d, r, R):
     """``top_log_probs[b, d, r]`` from the shared copy when ``r < R``, else from global."""
     if r < R:
@@ -179,7 +179,7 @@ def _log_prob(lp, lp_cache, b, d, r, R):
     return lp[b, d, r]
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _candidate_key(score):
     """Orderable key of a candidate score; key 0 (= not pushed) for ``-inf``."""
     if score == NEG_INF:
@@ -317,7 +317,7 @@ def _select_warp_kernel(lp, budget, parents, depths, log_weights, next_token, ne
                      num_nodes)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def write_node_table(b, tid, count, parent_s, depth_s, score, first_child, next_sib, rank_s,
                      parents, depths, log_weights, next_token, next_sibling, ranks, num_nodes):
     """Rows ``[0, N)`` of request ``b``'s node table from the shared arrays of a select kernel

@@ -104,7 +104,7 @@ def slots_per_lane(L: int, budget: int) -> int:
     return next(P for P in SLOT_CHOICES if 32 * P >= need)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _finite_key(score):
     """The orderable key of a candidate's score; 0 (no candidate) for ``-inf`` and NaN (only
     unchecked input makes a NaN: a ``+inf`` score plus a ``-inf`` log-prob). A select, not a

@@ -58,13 +58,13 @@ FINISH_WORDS = FINISH_ROWS * ROW_WORDS_MAX  # the finish kernel's row bits (4 35
 LOW = uint64(0xFFFFFFFF)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def row_words_of(N):
     """``ceil(N / 64)``: the ``uint64`` words of one row's bits in shared memory."""
     return (uint32(N) + uint32(63)) >> uint32(6)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def token_and_position(b, i, n, depth, rank, top_token_ids, root_token_ids, prefix_lens,
                        has_prefix):
     """Row ``i``'s token (the root's, else ``top_token_ids[b, depth - 1, rank]``) and position
@@ -80,7 +80,7 @@ def token_and_position(b, i, n, depth, rank, top_token_ids, root_token_ids, pref
     return token, position
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def walk_rows(bits, row_words, i0, rows, n, node_parent, tid, threads):
     """The bits of rows ``i0 .. i0 + rows - 1``: thread ``t`` takes the block's rows ``t, t +
     threads, ...`` (it alone writes their words), zeroes the row's ``row_words`` words, then
@@ -97,7 +97,7 @@ def walk_rows(bits, row_words, i0, rows, n, node_parent, tid, threads):
                 a = int32(node_parent[a])
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _spread_nibble(nibble):
     """Bit ``k`` of a 4-bit value to bit ``8 k``: four bytes of 0 or 1, little-endian. The
     product holds copies of the nibble shifted by 0, 7, 14 and 21 bits (they do not overlap,
@@ -105,14 +105,14 @@ def _spread_nibble(nibble):
     return (nibble * uint32(0x00204081)) & uint32(0x01010101)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _mask_bit(bits, row_words, r, c):
     """Column ``c`` of the block's row ``r``: 1 if its bit is set, else 0 (``uint32``)."""
     word = bits[uint32(r * row_words + (c >> uint32(6)))]
     return uint32((word >> uint64(c & uint32(63))) & uint64(1))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _mask_word(bits, row_words, r, c, N):
     """Eight bytes of the bool mask as one little-endian ``uint64``: columns ``c .. c + 7`` of
     the block's row ``r``, running on into the next rows past column ``N - 1``. Byte ``k`` is 1
@@ -145,7 +145,7 @@ def _mask_word(bits, row_words, r, c, N):
     return word
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _mask_byte(bits, row_words, local, N):
     """Byte ``local`` of the block's share of the bool mask (row ``local // N``)."""
     r = uint32(local) // N
@@ -153,7 +153,7 @@ def _mask_byte(bits, row_words, local, N):
     return uint8(_mask_bit(bits, row_words, r, c))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def write_rows(b, i0, rows, bits, row_words, tid, threads, visibility_bits, mask_bytes,
                mask_words, head):
     """Rows ``i0 .. i0 + rows - 1`` of request ``b``'s packed bits and bool mask, from the

@@ -79,29 +79,29 @@ LOW = uint64(0xFFFFFFFF)
 NEG_INF = float32(-float("inf"))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _pack(score, parent, rank):
     """The descending-order key of a node (see the module docstring)."""
     low = uint64((parent + 1) * RANK_RADIX + rank)
     return (uint64(key_of_float(score)) << uint64(32)) | (LOW - low)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _score(key):
     return float_of_key(uint32(key >> uint64(32)))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _parent(key):
     return int32((LOW - (key & LOW)) // uint64(RANK_RADIX)) - 1
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _rank(key):
     return int32((LOW - (key & LOW)) % uint64(RANK_RADIX))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _count_larger(keys, n, key):
     """How many of ``keys[0:n]`` (descending) are larger than ``key``: a binary search."""
     lo = 0
@@ -115,7 +115,7 @@ def _count_larger(keys, n, key):
     return lo
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _scan_owned(values, n, scratch, tid, T):
     """All threads of the block, after a barrier that put ``values[0:n]`` in place (it has
     a block scan and barriers). In place, the inclusive prefix sums of ``values[0:n]``:
@@ -137,7 +137,7 @@ def _scan_owned(values, n, scratch, tid, T):
     return total
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _node_fields(key, depth, node, L, K):
     """``(parent, depth, rank)`` of tree node ``node`` (G's element ``node - 1``). Valid input
     always gives ``0 <= parent < node``, ``1 <= depth <= L`` and ``0 <= rank < K``; only
@@ -153,7 +153,7 @@ def _node_fields(key, depth, node, L, K):
     return int32(0), int32(1), int32(0)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def select_levels(lp, B, parents, depths, log_weights, next_token, next_sibling, ranks,
                   num_nodes, b, tid, T, g_key, g_depth, cand, plist, offsets, newpos, scratch,
                   lp_row, state):

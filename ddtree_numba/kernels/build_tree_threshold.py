@@ -117,7 +117,7 @@ ARENA_BYTES = max(LIST_BYTES, LEVELS_BYTES)   # the launch's dynamic shared memo
 assert ARENA_BYTES <= STATIC_SHARED_LIMIT     # no opt-in needed, on sm_90 or sm_120
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _score_key(x):
     """The orderable key of a score; 0 (below every floor: no node) for a NaN, which only
     unchecked input makes (``+inf + -inf``), as the other selects treat it."""
@@ -125,7 +125,7 @@ def _score_key(x):
     return key if key <= KEY_POS_INF else uint32(0)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _div_u32(a, b):
     """``a // b`` for ``0 <= a < 2**32``, ``0 < b < 2**32``, as one 32-bit unsigned division
     (about 20 instructions inline). numba widens ``int32 // int32`` to 64 bits; LLVM guards
@@ -137,7 +137,7 @@ def _div_u32(a, b):
     return int32(uint32(a) // uint32(b))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _scan_in_place(values, n, scratch, tid, T):
     """``values[0:n]`` (uint64 holding int32 counts) -> their inclusive sums, in place; thread
     ``t`` owns the span ``[t s, (t + 1) s)``, ``s = ceil(n / T)``. Returns the total. Ends
@@ -158,7 +158,7 @@ def _scan_in_place(values, n, scratch, tid, T):
     return int32(total)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _parent_of(sums, P, j):
     """``(u, r)``: child ``j`` of a level is rank ``r`` of parent ``u`` (``u < P``), where
     ``sums[0:P]`` are the inclusive sums of the parents' counts: the first ``u`` with
@@ -175,7 +175,7 @@ def _parent_of(sums, P, j):
     return int32(lo), int32(j - before)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _children_above(s_p, m_p, lp_row, at, d, K, B, floor):
     """How many children of a parent (score ``s_p``, ``m(u) = m_p``, depth ``d``) score at or
     above ``floor``: a binary search over the first ``min(K, B // m_p, B - d)`` ranks of the
@@ -192,7 +192,7 @@ def _children_above(s_p, m_p, lp_row, at, d, K, B, floor):
     return int32(lo)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _count_children(score, mult, lp_row, at, work, scratch, start, n, d, K, B, floor, tid, T):
     """Step 2: ``work[0:n - start]`` = the inclusive sums of the children at or above
     ``floor`` of parents ``start .. n - 1``; returns their total ``M``. Ends with a barrier."""
@@ -215,7 +215,7 @@ def _count_children(score, mult, lp_row, at, work, scratch, start, n, d, K, B, f
     return _scan_in_place(work, P, scratch, tid, T)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _expand(score, parent, rank, depth, mult, work, lp_row, at, n, start, M, d, B, tid, T):
     """Step 4: the level's ``M`` children at list entries ``n .. n + M - 1`` (``work[0:P]``
     the inclusive sums of parents ``start .. n - 1``'s counts), this thread's run of them.
@@ -255,7 +255,7 @@ def _expand(score, parent, rank, depth, mult, work, lp_row, at, n, start, M, d, 
         j = int32(j + 1)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _floor_edge(k, cap, score, n, with_children, work, start, M, lp_row, at, hist, scratch,
                 found, tid, T):
     """A floor at most the ``k``-th largest key among the list's non-root nodes and,
@@ -312,7 +312,7 @@ def _floor_edge(k, cap, score, n, with_children, work, start, M, lp_row, at, his
     return prefix
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _compact(floor, score, parent, rank, depth, mult, work, scratch, n, start, tid, T):
     """All threads of the block (it has barriers): keep the root and the nodes at or above
     ``floor``, in order, parents re-pointed. Returns the new ``(n, start)``."""
@@ -355,14 +355,14 @@ def _compact(floor, score, parent, rank, depth, mult, work, scratch, n, start, t
     return kept, new_start
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _sort_key(score, parent_position, i):
     """The descending-order key of list entry ``i`` (the module docstring)."""
     low = uint64(((parent_position + 1) << INDEX_BITS) + i)   # the index below its parent's
     return (uint64(_score_key(score)) << uint64(32)) | (LOW - low)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _entry_of(key):
     """The list index a :func:`_sort_key` holds (its low 12 bits, complemented)."""
     return int32((LOW - (key & LOW)) & uint64((1 << INDEX_BITS) - 1))

@@ -50,7 +50,7 @@ CHUNK = 8       # moves in flight per thread: k <= L <= 15 in DDTree, so one or 
 PLAN_MOVES = 16 if SIMULATOR else 64
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def plan_moves(paging, nodes, N, P, first, count, num_pages, page_size, plan, tid, threads):
     """All threads of a block: the addresses of one request's moves ``first + 1 .. first +
     count`` (``count`` at most the plan's width: ``PLAN_MOVES`` in ``commit_kv``,
@@ -88,21 +88,21 @@ def plan_moves(paging, nodes, N, P, first, count, num_pages, page_size, plan, ti
                 plan[3, j] = uint32(dst) - uint32(dst_q * size)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _read(kv_cache, plan, k, col, vals, i, j):
     """Plan entry ``i``'s value into ``vals[j]``, if it moves."""
     if i < k and plan[0, i] >= 0:
         vals[j] = kv_cache[plan[0, i], plan[1, i], col]
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _write(kv_cache, plan, k, col, vals, i, j):
     """Write ``vals[j]`` to plan entry ``i``'s destination, if it moves."""
     if i < k and plan[0, i] >= 0:
         kv_cache[plan[2, i], plan[3, i], col] = vals[j]
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def read_chunk(kv_cache, plan, k, col, vals, i0):
     """The sources of plan entries ``i0 .. i0 + CHUNK - 1`` (those below ``k`` that move), column
     ``col``, into ``vals``: all loads in flight at once. ``vals`` stays in registers: it is only
@@ -119,7 +119,7 @@ def read_chunk(kv_cache, plan, k, col, vals, i0):
     _read(kv_cache, plan, k, col, vals, i0 + 7, 7)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def write_chunk(kv_cache, plan, k, col, vals, i0):
     """``read_chunk``'s values to their destinations, in ascending ``i`` (``a_i >= i``: no read
     of the chunk saw a write)."""
@@ -133,7 +133,7 @@ def write_chunk(kv_cache, plan, k, col, vals, i0):
     _write(kv_cache, plan, k, col, vals, i0 + 7, 7)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def commit_column(kv_cache, plan, k, col, vals, start):
     """The planned moves ``start .. k - 1`` (``plan_moves``) of one request for column ``col``
     of a ``[num_pages, page_size, D]`` cache, ``CHUNK`` at a time: a chunk's reads, then its
@@ -144,7 +144,7 @@ def commit_column(kv_cache, plan, k, col, vals, start):
         write_chunk(kv_cache, plan, k, col, vals, i0)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def valid_prefix(P, N):
     """A prefix a step may start from: ``0 <= P`` and ``P + N <= MAX_POSITION`` (others commit
     nothing and keep their length)."""

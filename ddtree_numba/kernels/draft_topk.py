@@ -116,7 +116,7 @@ LEVEL_MASK = (0x7FF, 0x7FF, 0x3FF)
 # Block-wide helpers (every thread of the block must call them; reductions and the scan are
 # in _primitives)
 # ------------------------------------------------------------------------------------------
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _find_threshold_digit(hist, nbins, need, scratch, result, tid, T):
     """The digit t with ``count(d > t) < need <= count(d >= t)``.
 
@@ -157,17 +157,17 @@ def _make_select_top(bf16: bool):
     bits (the one-pass kernels of ``draft_topk_filtered`` fall back on this select)."""
     if bf16:
 
-        @cuda.jit(device=True, inline=True)
+        @cuda.jit(device=True, inline="always")
         def load_bits(row, v):
             return uint32(row[v]) << uint32(16)          # bfloat16 = top half of a float32
 
     else:
 
-        @cuda.jit(device=True, inline=True)
+        @cuda.jit(device=True, inline="always")
         def load_bits(row, v):
             return uint32(row[v])
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def select_top(row, lo, hi, k, tid, T, cand, hist, scratch, result, red_u, red_f, n_cand):
         """Phases 1-4a on the logits ``row[lo:hi]`` (all threads call it): afterwards
         ``cand[0:kk]`` holds the ``kk = min(k, hi - lo)`` best packed candidates, best first.
@@ -271,7 +271,7 @@ def _make_select_top(bf16: bool):
     return load_bits, select_top
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def select_shared():
     """The shared arrays :func:`select_top` works in (static, one set per kernel):
     ``(hist, scratch, result, red_u, red_f, n_cand)``. (One array a line: the simulator tells
@@ -289,7 +289,7 @@ def select_shared():
 _select_top = functools.cache(_make_select_top)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def store_part(cand, kk, m, total, row_id, p, k, tid, T, part_keys, part_max, part_sum):
     """A part kernel's result, slot ``(row_id, p)`` of the scratch: its best ``kk <= k``
     packed candidates ``cand[0:kk]`` (then ``0``, below every real key, up to ``k``), its max
@@ -345,7 +345,7 @@ def _make_topk_kernels(bf16: bool):
     return whole_row_kernel, part_kernel
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _write_top(cand, k, lse, row_id, tid, T, top_log_probs, top_token_ids):
     """4b. Unpack the first ``k`` sorted candidates: id, and log-prob ``x - lse``."""
     for r in range(tid, k, T):
@@ -357,7 +357,7 @@ def _write_top(cand, k, lse, row_id, tid, T, top_log_probs, top_token_ids):
         top_log_probs[row_id, r] = x - lse if x > NEG_INF else NEG_INF
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _row_lse_serial(row_max, row_sum, parts, tid, stats):
     """``stats[0] = lse = M + log(sum_p s_p exp(m_p - M))``, ``M = max_p m_p``, by thread 0 in
     part order (the simulator's: it has no shuffles)."""
@@ -373,7 +373,7 @@ def _row_lse_serial(row_max, row_sum, parts, tid, stats):
         stats[0] = big + math.log(total) if big > NEG_INF else NEG_INF
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _row_lse_by_warp(row_max, row_sum, parts, tid, stats):
     """The same ``lse`` by warp 0: lane ``l`` loads parts ``l`` and ``l + 32`` (all four loads
     in flight at once, where thread 0's loop waits for each), then a shuffle tree takes the
@@ -397,7 +397,7 @@ def _row_lse_by_warp(row_max, row_sum, parts, tid, stats):
 _row_lse = _row_lse_serial if SIMULATOR else _row_lse_by_warp
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _part_key(part_keys, row_id, j, n, log_k2, parts, k):
     """Slot ``j`` of the merge's lists: rank ``j % k2`` of part ``j / k2`` (key 0 past the
     parts, past their ``k`` keys and past the ``n`` slots)."""
@@ -406,7 +406,7 @@ def _part_key(part_keys, row_id, j, n, log_k2, parts, k):
     return part_keys[row_id, q, r] if j < n and q < parts and r < k else uint64(0)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _merge_barrier(stride_done, stride_next):
     """The wait between two steps of the merge: a block barrier when either step moves
     elements between warps (a stride of 64 or more), else the warp's own ``sync_warp``."""
@@ -416,14 +416,14 @@ def _merge_barrier(stride_done, stride_next):
         sync_warp()
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _mate(j, half, k2, log_k2):
     """The slot that slot ``j`` of list ``q = j / k2`` is paired with: rank ``k2 - 1 - j % k2``
     of list ``q + half``."""
     return ((j >> log_k2) + half) * k2 + k2 - int32(1) - (j & (k2 - int32(1)))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _pairing_in_shared(lists, half, k2, log_k2, t, T):
     """The round's pairing, ``c[j] = max(A[j], B[k2 - 1 - j])`` for every slot ``j < half
     k2``, on stride 32's slots: pair index ``i`` (``t, t + T, ..``; at least 32 of them, for
@@ -442,7 +442,7 @@ def _pairing_in_shared(lists, half, k2, log_k2, t, T):
         i += T
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _clean_step_in_shared(lists, n_slots, stride, t, T):
     """One half-cleaner step of ``stride`` over ``lists[0:n_slots]``: pair ``i`` (``t, t + T,
     ..``) is slots ``e = 2 i - i % stride`` and ``e + stride`` (entry ``i % stride`` of run ``i
@@ -459,7 +459,7 @@ def _clean_step_in_shared(lists, n_slots, stride, t, T):
         i += T
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _merge_round_in_shared(lists, half, k2, log_k2, t, T):
     """A round of :func:`merge_parts` step by step in shared memory (the simulator's: it has
     no shuffles). A step of stride 32 or less calls ``sync_warp``, which the simulator makes
@@ -475,7 +475,7 @@ def _merge_round_in_shared(lists, half, k2, log_k2, t, T):
         stride //= int32(2)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _clean_by_shuffle(x, lane, stride):
     """A half-cleaner step of ``stride < 32`` on one register: the partner slot is the same
     register of lane ``lane ^ stride``; the lower slot keeps the larger key. Every lane of the
@@ -484,7 +484,7 @@ def _clean_by_shuffle(x, lane, stride):
     return max(x, y) if lane & stride == 0 else min(x, y)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _merge_round_in_registers(lists, half, k2, log_k2, t, T):
     """A round of :func:`merge_parts` with its steps of stride 32 and less in registers (a GPU's:
     shuffles). Lane ``l`` of pair index ``i = t, t + T, ..`` holds slots ``e = 2 i - i % 32``
@@ -536,7 +536,7 @@ def _merge_round_in_registers(lists, half, k2, log_k2, t, T):
 _merge_round = _merge_round_in_shared if SIMULATOR else _merge_round_in_registers
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def merge_parts(part_keys, part_max, part_sum, row_id, k, lists, stats, tid, T, top_log_probs,
                 top_token_ids):
     """The row's top K from its parts' sorted lists (each part's best ``k`` contain every one

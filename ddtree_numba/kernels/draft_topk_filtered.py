@@ -180,18 +180,18 @@ SCAN_SCRATCH = block_scan_scratch(FILTER_THREADS)
 assert WARPS * WARP_CAP <= SORT_CAP and WARPS * WARP_BINS <= BINS
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _key_of(packed):
     return uint32(packed >> uint64(32))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _cut_of(key):
     """The float a logit must reach to pass the filter of key ``key`` (0: no filter yet)."""
     return NEG_INF if key == 0 else float_of_key(key)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _held_top(buf, base, n, lane):
     """Warp-collective: the largest key of the held set ``buf[base : base + n]`` (0 when it is
     empty), in every lane. Lane ``l`` reads entries ``l, l + 32, ...``."""
@@ -202,7 +202,7 @@ def _held_top(buf, base, n, lane):
     return warp_max_key(top)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
     """Warp-collective (all 32 lanes, uniform arguments): raise the floor of the held set
     ``buf[base : base + n]`` (``n > need``) to the lower edge of the histogram bin that holds
@@ -287,7 +287,7 @@ def _compact(buf, base, n, floor, need, hist, hbase, lane, lanes_below):
     return kept, new_floor
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _compact_and_share(buf, base, n, floor, need, hist, hbase, lane, lanes_below, floor_b):
     """Warp-collective (all 32 lanes, uniform arguments; every lane makes the same atomic,
     which is harmless). ``_compact``, then the new floor shared with the block (a shared
@@ -320,14 +320,14 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | No
     neg_inf_word = uint64(0xFF80FF80FF80FF80) if bf16 else uint64(0xFF800000FF800000)
     _, select_top = _select_top(bf16)
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def value_bits(word, j):
         """float32 bits of logit ``j`` of an 8-byte word (little-endian: logit 0 lowest)."""
         if bf16:
             return uint32((word >> uint64(16 * j)) & uint64(0xFFFF)) << uint32(16)
         return uint32((word >> uint64(32 * j)) & uint64(0xFFFFFFFF))
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def pass_mask(word, left, cut):
         """Bit ``u * per_word + j`` set where logit ``j`` of the lane's word ``u`` of the tile
         exists (``u * 32 < left``, ``left`` the words from the lane's word 0 of the tile to the
@@ -342,7 +342,7 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | No
                     passing |= uint32(1) << uint32(u * per_word + j)
         return passing
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def guess_rank(n_words, kk):
         """``r``: the guessed floor is the smallest over the warps of the warp's ``r``-th
         largest sample maximum; 0 (no guess) where the slice is shorter than the sample's
@@ -359,7 +359,7 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | No
         r = (2 * kk * sample + 11 * logits - 1) // (9 * logits)
         return r if r <= GUESS_MAX_RANK else 0
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def guess_floor(words, wlo, whi, r, tid, red_u, floor_b):
         """Warp-collective, every warp of the block: thread ``t`` loads words ``wlo + u seg +
         t`` (``u < LOADS``, ``seg = (whi - wlo) // LOADS``: ``LOADS`` coalesced chunks of
@@ -385,7 +385,7 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | No
         if rank == r - 1:                   # ranks are distinct: one lane a warp
             cuda.atomic.min(floor_b, 1, top_t)
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def filter_tile(words, ahead, word, tile, whi, lane, lane64, stride, m, s, n, floor, kk,
                     buf, base, hist, hbase, lanes_below, floor_b):
         """Warp-collective: filter the warp's tile at ``tile``, whose words ``ahead`` holds
@@ -494,7 +494,7 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | No
             n += cuda.popc(mask)
         return m, s, n, floor, overflow    # overflow: the block falls back below
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def filter_select(words, bits, wlo, whi, k, tid, buf, top, hist, scratch, result, red_u,
                       red_f, n_cand, counts, tops, floor_b, slice_lo):
         """All threads call it; afterwards ``top[0:kk]`` holds the ``kk = min(k, logits)``
@@ -658,7 +658,7 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | No
         sort_desc_any(top, n_cand[0], tid, T)
         return big, total, kk
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def shared_state():
         """The kernel's shared arrays, one a line (the simulator tells them apart by line):
         ``(buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, tops, floor_b,

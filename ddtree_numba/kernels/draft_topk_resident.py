@@ -118,7 +118,7 @@ assert MERGE_SLOTS <= SORT_CAP                  # the last block merges in ``can
 assert SCAN_SCRATCH <= MAX_THREADS              # the two-pass fallback's scratch is as long
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _warp_floor(top_t, kk, tid, lane_max):
     """The floor of phase 1, from each thread's largest key ``top_t`` (0: it holds none):
     the smallest over the warps of the warp's ``j``-th largest ``top_t``, ``j = ceil(kk /
@@ -151,7 +151,7 @@ def _warp_floor(top_t, kk, tid, lane_max):
     return floor
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _histogram_edge(keys, key_max, floor, kk, tid, hist, scratch, result):
     """An edge that at least ``kk`` and at most ``CAND_CAP`` of the block's keys reach, by
     rounds of a 256-bin histogram over ``[low, top]`` (at first ``[floor, key_max]``, then
@@ -210,14 +210,14 @@ def _make_resident_kernels(bf16: bool):
     value_mask = uint64(0xFFFF if bf16 else 0xFFFFFFFF)
     _, select_top = _select_top(bf16)           # the fallback
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def float_bits(word, j):
         """The float32 bits of logit ``j`` of an 8-byte word (little-endian: logit 0 is the
         low half or quarter; a bfloat16 is the top half of a float32)."""
         value = uint32((word >> uint64(value_bits * j)) & value_mask)
         return value << uint32(16) if bf16 else value
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def _gather(keys, edge, wlo, tid, cand, scratch):
         """How many of the block's keys are ``>= edge`` (every thread gets the count); when
         they fit ``CAND_CAP``, also writes them to ``cand`` packed as ``key << 32 | ~id``,
@@ -246,7 +246,7 @@ def _make_resident_kernels(bf16: bool):
         cuda.syncthreads()                      # every candidate written
         return int32(found)
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def resident_select(words, bits, wlo, whi, k, tid, cand, hist, scratch, result, red_u,
                         red_f, n_cand):
         """Phases 1-4 on ``words[wlo:whi]`` of one row (every thread calls it): afterwards

@@ -38,7 +38,7 @@ _NODE, _BONUS, _ZERO = np.uint64(STREAM_NODE), np.uint64(STREAM_BONUS), np.uint6
 _UNIT = float32(2.0**-24)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def philox_uniform(c0, c1, c2, c3, k0, k1):
     """Word 0 of Philox4x32-10 of counter ``(c0, c1, c2, c3)`` under key ``(k0, k1)`` (32-bit
     values in uint64), as a float32 uniform in ``[0, 1)``: its top 24 bits times 2^-24."""

@@ -59,7 +59,7 @@ NEG_INF = float32(-math.inf)
 GREEDY_BELOW = float32(GREEDY_TEMPERATURE)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _columns(logits, row, col):
     """The ``UNROLL`` columns ``col, col + T, ..., col + 7 T`` of the row, loaded together
     (the caller checks that the last is ``< V``)."""
@@ -75,7 +75,7 @@ WHOLE = (UNROLL - 1) * PROB_THREADS     # a group starting at col is whole if co
 GROUP = UNROLL * PROB_THREADS
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _argmax_first(logits, row, red, red_i, tid, V):
     """All threads of the block (block reductions, with barriers): the first index of the
     row's maximum: each thread's first maximum in column order, then the block's largest
@@ -98,7 +98,7 @@ def _argmax_first(logits, row, red, red_i, tid, V):
     return -block_max(red_i, -candidate, tid, PROB_THREADS)   # the minimum, by negation
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _max_scaled(logits, row, T, red, tid, V):
     """All threads of the block (a block reduction): the row's maximum of ``z = x / T``."""
     z_max = NEG_INF
@@ -113,7 +113,7 @@ def _max_scaled(logits, row, T, red, tid, V):
     return block_max(red, z_max, tid, PROB_THREADS)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _count_at_least(logits, row, T, key, red_i, tid, V):
     """All threads of the block (a block reduction): how many ``z = x / T`` of the row have
     an order key ``>= key``."""
@@ -131,7 +131,7 @@ def _count_at_least(logits, row, T, key, red_i, tid, V):
     return block_sum(red_i, count, tid, PROB_THREADS)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _weight(x, T, z_max, kth_key, tau_bits):
     """``exp(z - max)`` of a token that top-k (key ``>= kth_key``) and top-p (bits ``>=
     tau_bits``) keep, else 0."""
@@ -142,7 +142,7 @@ def _weight(x, T, z_max, kth_key, tau_bits):
     return w if float_to_bits(w) >= tau_bits else float32(0.0)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _kept_mass(logits, row, T, z_max, kth_key, tau_bits, red, tid, V):
     """All threads of the block (a block reduction): the float32 sum of the kept weights,
     each thread in column order, then the tree."""
@@ -158,7 +158,7 @@ def _kept_mass(logits, row, T, z_max, kth_key, tau_bits, red, tid, V):
     return block_sum(red, mass, tid, PROB_THREADS)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def row_distribution(logits, row, T, k, p, red, red_i, tid, V):
     """The numbers that define row ``row``'s distribution, computed by the whole block (every
     thread must call it; all get the result): ``(best, T, z_max, kth_key, tau_bits, total)``.
@@ -186,7 +186,7 @@ def row_distribution(logits, row, T, k, p, red, red_i, tid, V):
     return int32(-1), T, z_max, kth_key, tau_bits, total
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def probability(x, col, dist):
     """The probability of the token ``col`` whose logit is ``x``, in the row whose
     :func:`row_distribution` is ``dist``."""

@@ -54,7 +54,7 @@ STAGE_ROUNDS = 3
 assert SIMULATOR or STAGE_ROUNDS * ACCEPT_THREADS >= MAX_NODES
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def write_accept_rows(b, path, k, bonus, tokens, tid, threads, N, accept_nodes, accept_len,
                       accept_tokens, bonus_token):
     """All threads: request ``b``'s ``AcceptResult`` from the accepted path ``path[0..k]`` and
@@ -76,7 +76,7 @@ def write_accept_rows(b, path, k, bonus, tokens, tid, threads, N, accept_nodes, 
         tokens_row[i] = token
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _load_entry(token_ids, next_token, next_sibling, target_predict, b, i, N):
     """Node ``i``'s four entries (zeros past ``N``): the loads are issued here and waited for
     only where the values are stored."""
@@ -85,7 +85,7 @@ def _load_entry(token_ids, next_token, next_sibling, target_predict, b, i, N):
     return int32(0), int32(0), int32(0), int32(0)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def load_rows(token_ids, next_token, next_sibling, target_predict, b, tid, threads, N):
     """Phase 1's loads: entries ``tid + q * threads`` (``q < STAGE_ROUNDS``) of request ``b``'s
     four rows, held in registers for ``greedy_walk`` (spelled out, not a loop, so that
@@ -97,13 +97,13 @@ def load_rows(token_ids, next_token, next_sibling, target_predict, b, tid, threa
                         tid + 2 * threads, N))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _link(token, sibling):
     """A node's walk entry: its next sibling in the high 32 bits, its token in the low."""
     return (uint64(uint32(sibling)) << uint64(32)) | uint64(uint32(token))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _store_entry(entry, i, N, tok, first, link, pred):
     if i < N:
         token, child, sibling, predicted = entry
@@ -113,7 +113,7 @@ def _store_entry(entry, i, N, tok, first, link, pred):
         pred[i] = predicted
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def greedy_walk(token_ids, next_token, next_sibling, target_predict, held, b, tid, threads,
                 N, tok, path, result):
     """Phases 1 and 2 (all threads call it, ``held`` from ``load_rows``): stage request

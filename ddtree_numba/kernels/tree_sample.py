@@ -50,7 +50,7 @@ MAX_CHUNKS = MAX_VOCAB // SAMPLE_CHUNK     # 4096 (shared shapes must be plain c
 RAW = (int32(-1), float32(1.0), float32(0.0), uint32(0), uint32(0), float32(1.0))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _prob(values, row, col, dist, from_logits):
     """Token ``col``'s probability in row ``row`` of ``values``: the value itself, or (from
     logits) its probability under the row's distribution ``dist``."""
@@ -59,7 +59,7 @@ def _prob(values, row, col, dist, from_logits):
     return values[row, col]
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def removed_mask(token_ids, next_token, next_sibling, b, cur, lo, N, use_removed):
     """Bit ``i``: token ``lo + i`` is a child of node ``cur`` (taken out of the residual)."""
     removed = uint64(0)
@@ -76,7 +76,7 @@ def removed_mask(token_ids, next_token, next_sibling, b, cur, lo, N, use_removed
     return removed
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _accepted_child(token_ids, next_token, next_sibling, values, b, cur, u, dist,
                     from_logits, steps, N, V):
     """One walk step (thread 0): the child of ``cur`` that the uniform ``u`` accepts, or -1,
@@ -95,7 +95,7 @@ def _accepted_child(token_ids, next_token, next_sibling, values, b, cur, u, dist
     return int32(-1), steps
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _residual_sample(token_ids, next_token, next_sibling, values, b, cur, dist, from_logits,
                      u, chunk_sum, totals, state, tid, threads, N, V):
     """Phases 2 and 3 (all threads call it): the inverse-CDF sample of the last node's row with

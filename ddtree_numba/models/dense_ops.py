@@ -102,7 +102,7 @@ def _linear_kernel(x, w, out, residual, has_residual):
         out[row, g * d_out + col] = acc
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _rotated_pair(src, col, position, inv_freq_p):
     """RoPE on one pair: dims ``(col, col + 1)`` of the row ``src`` rotated by ``position *
     inv_freq_p`` (angle, cos and sin in float64, as the reference), returned as two values."""
@@ -136,11 +136,11 @@ def _make_kv_write_kernel(kind: str):
     if kind == "bfloat16":
         stored = bfloat16_bits
     elif kind == "float16":
-        @cuda.jit(device=True, inline=True)
+        @cuda.jit(device=True, inline="always")
         def stored(x):
             return float16(x)
     else:
-        @cuda.jit(device=True, inline=True)
+        @cuda.jit(device=True, inline="always")
         def stored(x):
             return x
 

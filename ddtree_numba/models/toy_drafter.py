@@ -34,7 +34,7 @@ SQRT3 = 1.7320508075688772
 RUNNER_UP = 0.7       # the true token's share of the bonus when the drafter's guess is wrong
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _mix(h):
     """murmur3's 32-bit finaliser (on a uint64 holding 32 bits): a well-mixed hash."""
     h ^= h >> uint64(16)
@@ -45,13 +45,13 @@ def _mix(h):
     return h
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _hash(seed, b, position, lane):
     """A 32-bit hash of ``(seed, request, position, lane)``: the drafter's random source."""
     return _mix(_mix(_mix(_mix(uint64(seed)) ^ uint64(b)) ^ uint64(position)) ^ uint64(lane))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _unit(h):
     """A float32 in [0, 1) from the top 24 bits of a hash (exact)."""
     return float32(h >> uint64(8)) * float32(1.0 / 16777216.0)

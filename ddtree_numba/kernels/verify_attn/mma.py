@@ -268,14 +268,14 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int, fused_merge: bool
     pack = tc.pack_bf16x2 if kind == "bfloat16" else tc.pack_f16x2
     EXPONENT = uint32(0x7F80 if kind == "bfloat16" else 0x7C00)   # all ones: NaN or +-inf
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def finite_pair(word):
         """Both 16-bit values of ``word`` with NaN and +-inf replaced by 0."""
         low = uint32(0) if word & EXPONENT == EXPONENT else uint32(0x0000FFFF)
         high = uint32(0) if (word >> uint32(16)) & EXPONENT == EXPONENT else uint32(0xFFFF0000)
         return word & (low | high)
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def masked(s, scale2, bits, b, i, slot, P, hi):
         """``scale2 * s`` if row ``i`` sees ``slot``, else ``-inf`` (a select: a NaN score of
         an invisible slot never reaches the row)."""
@@ -285,7 +285,7 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int, fused_merge: bool
             visible = (bits[b, i, j // uint32(32)] >> (j % uint32(32))) & uint32(1) != 0
         return s * scale2 if visible else NEG_INF
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def table_entry(block_table, b, page_index):
         """The block-table entry of page ``page_index`` of request ``b`` (clamped to the
         table: the slots a tile ahead may lie past it). Read one tile before the copy that
@@ -293,7 +293,7 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int, fused_merge: bool
         before the next tile's barrier, so its latency hides behind a tile of products."""
         return block_table[b, min(page_index, uint32(block_table.shape[1] - 1))]
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def next_slot(slot, page_index, in_page, pages_per_tile, rest_per_tile, page_size):
         """``(slot, slot // page_size, slot % page_size)`` advanced by one tile (``BN``
         slots), without a division: ``BN = pages_per_tile page_size + rest_per_tile``."""
@@ -304,7 +304,7 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int, fused_merge: bool
             page_index += uint32(1)
         return slot + BN, page_index, in_page
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def copy_plan(kv_base, buf, live, page, in_page, page_size, num_pages, tid):
         """This thread's share of one tile's copy into buffer ``buf``: row ``tid // 8`` of
         the tile, from offset ``in_page`` of cache ``page``; 16-byte chunks ``tid % 8, + 8,
@@ -321,13 +321,13 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int, fused_merge: bool
         dst = kv_base + uint32(buf * TILE_BYTES + 2 * (tid // 8) * ROW + 16 * first)
         return dst, offset + uint64(16 * first), nbytes
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def copy_chunk(dst, src, offset, nbytes, u, tid):
         """Chunk ``u`` of this thread's share (``copy_plan``): 16 bytes, 128 bytes on."""
         if CHUNKS % 8 == 0 or tid % 8 + 8 * u < CHUNKS:     # (folds away when even)
             tc.cp_async_16(dst + uint32(128 * u), src, offset + uint64(128 * u), nbytes)
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def stage(kv_base, buf, cache_flat, live, page, in_page, page_size, num_pages, tid):
         """Issue this thread's copies of one tile into buffer ``buf`` at once (``copy_plan``;
         the loop spreads them over the score k-steps instead)."""
@@ -337,7 +337,7 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int, fused_merge: bool
         for u in range(CHUNK_STEPS):
             copy_chunk(dst, src, offset, nbytes, u, tid)
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def pv_step(o, pa0, pa1, vf, probs, v_rows, warp, tree):
         """All 32 lanes of the warp, converged (ldmatrix and mma.sync are warp-wide;
         ``warp`` and ``tree`` the same in every lane). ``O += P V`` over one k-step of 16
@@ -369,7 +369,7 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int, fused_merge: bool
                 mma(_ffi.from_buffer(o[GQ * 8 + 8 * q + 4:]), pa1[0], pa1[1], pa1[2], pa1[3],
                     vf[v + 2], vf[v + 3])
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def stage_rows(smem_f32, o, base, rb, warp, t):
         """This lane's outputs of one row tile (``o[base:]``: block rows ``rb`` and ``rb +
         8``), divided by their rows' ``l``, into the float32 output staged in shared memory
@@ -392,7 +392,7 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int, fused_merge: bool
                 smem_f32[at + 8] = o[k + 6] * inv8
                 smem_f32[at + 9] = o[k + 7] * inv8
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def write_empty_rows(out, lse, b, row0, rows, H, warp, lane):
         """Rows of a row block that no split computes (padding rows, or a request with no
         slot): 0 and ``-inf``, what the merge of no split gives. Warp ``w`` writes rows
@@ -407,7 +407,7 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int, fused_merge: bool
                 if lane == 0:
                     lse[b, i, h] = NEG_INF
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def merge_rows(smem_f32, part_out, part_lse, out, lse, splits, b, row0, rows, n, H, tid,
                    warp, lane):
         """Every thread of the block (it has a barrier). The splits of the block's rows

@@ -47,20 +47,20 @@ def _make_widen(kind: str):
     (bfloat16 arrives as its uint16 bits)."""
     if kind == "bfloat16":
 
-        @cuda.jit(device=True, inline=True)
+        @cuda.jit(device=True, inline="always")
         def widen(raw):
             return bits_to_float(uint32(raw) << uint32(16))
 
     else:  # float32 and float16 (numba widens float16 with float32())
 
-        @cuda.jit(device=True, inline=True)
+        @cuda.jit(device=True, inline="always")
         def widen(raw):
             return float32(raw)
 
     return widen
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _visible(bits, b, i, j):
     """Bit ``j`` of row ``i`` of the packed ancestor mask."""
     return (bits[b, i, j // 32] >> uint32(j % 32)) & uint32(1) != 0

@@ -106,7 +106,7 @@ def _prefix_split_slots(P):
 
 
 #: the rule on the device (the same Python function, compiled for kernels)
-prefix_split_slots = cuda.jit(device=True, inline=True)(_prefix_split_slots)
+prefix_split_slots = cuda.jit(device=True, inline="always")(_prefix_split_slots)
 
 
 def max_prefix_splits(N: int) -> int:
@@ -115,7 +115,7 @@ def max_prefix_splits(N: int) -> int:
     return PREFIX_SPLITS + -(-N // SPLIT_GRANULE)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _merge_partials(part_out, part_lse, splits, b, row, d):
     """Combine split partials of one output element by log-sum-exp.
 
@@ -145,7 +145,7 @@ MAX_PREFIX_SPLITS = PREFIX_SPLITS + -(-1056 // SPLIT_GRANULE)   # for N up to MA
 # readable form, and the test that the fused merge gives its bits). The same expressions in
 # the same order give the same bits.
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def prefix_splits(P, end, limit):
     """Splits that a request computes: ``ceil(end / prefix_split_slots(P))`` for its clamped
     prefix ``P`` and slot end ``end = min(P + n, capacity)`` (0 when it has no slot), at most
@@ -154,7 +154,7 @@ def prefix_splits(P, end, limit):
     return min(int32(uint32(uint32(end) + per - uint32(1)) // per), limit)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def split_max(part_lse, splits, b, row):
     """``M``, the largest ``part_lse[s, b, row]`` over the request's splits (``-inf`` when
     none saw a visible slot)."""
@@ -164,19 +164,19 @@ def split_max(part_lse, splits, b, row):
     return M
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def split_weight(lse_s, M):
     """A split's unnormalised weight ``exp(lse_s - M)`` (0 where nothing was visible)."""
     return math.exp(lse_s - M) if M > NEG_INF else float32(0.0)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def merged_value(value, total):
     """One output value: ``sum_s w_s out_s`` over ``sum_s w_s`` (0 if nothing was visible)."""
     return value / total if total > 0 else float32(0.0)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def merged_lse(M, total):
     """The row's log-sum-exp, ``M + log sum_s w_s`` (``-inf`` if nothing was visible)."""
     return M + math.log(total) if total > 0 else NEG_INF

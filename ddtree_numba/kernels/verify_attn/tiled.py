@@ -120,7 +120,7 @@ else:           # the element type of float32x4 arrays (float32x4 itself builds 
     F32X4 = vector_types["float32x4"]
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _unpack_bf16x2(word):
     """Two bfloat16 values packed in a uint32 (little endian: element 2e in the low half)."""
     word = uint32(word)
@@ -128,7 +128,7 @@ def _unpack_bf16x2(word):
             bits_to_float(word & uint32(0xFFFF0000)))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _finite(x):
     """``x``, or 0 if it is not finite (exponent all ones: NaN, +-inf), by bit masks alone."""
     bits = float_to_bits(x)
@@ -137,13 +137,13 @@ def _finite(x):
     return bits_to_float(bits & (top - uint32(1)))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _finite4(v):
     """``v`` with every value that is not finite (NaN, +-inf) replaced by 0."""
     return float32x4(_finite(v.x), _finite(v.y), _finite(v.z), _finite(v.w))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _unrolled8(step, a, b, acc):
     """``step(a, b, i, acc)`` for ``i = 0 .. 7``, each ``i`` a literal. numba has no
     ``#pragma unroll``, and NVVM keeps an 8-trip loop of this size rolled (index math and a
@@ -158,7 +158,7 @@ def _unrolled8(step, a, b, acc):
     step(a, b, 7, acc)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _score_group(q_mine, k_mine, g, score):
     """Dims ``4 g .. 4 g + 3`` of the staged chunk into this thread's 4 x 4 scores: four K
     vectors (slots ``8 k``) and four Q vectors (rows ``4 r``) of its views feed 64 FMAs into
@@ -175,7 +175,7 @@ def _score_group(q_mine, k_mine, g, score):
             score[4 * r + k] = acc
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _weighted_slot(p_sub, c_mine, ss, acc):
     """Slot ``ss`` of the staged sub-tile into this thread's 4 x 16 outputs: one P vector (the
     4 rows of its quad) and four C vectors (its 16 columns) feed 64 FMAs;
@@ -201,7 +201,7 @@ def _weighted_slot(p_sub, c_mine, ss, acc):
         acc[48 + 4 * j + 3] += pv.w * cv.w
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _softmax_row(soft, m, l, alpha, r, row, H, NH, n, bits, b, t0, t_end, P, lane, sm_scale):
     """All 32 lanes of the warp, with the same ``r`` (full-mask shuffles). Steps 2 and 3
     for row ``r`` of this warp's quad (``row`` is its flat query row): mask
@@ -235,7 +235,7 @@ def _softmax_row(soft, m, l, alpha, r, row, H, NH, n, bits, b, t0, t_end, P, lan
     alpha[r] = rescale
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _finish_row(m, l, alpha, r, row, NH, lane, part_lse, split, b):
     """Row ``r`` of this warp's quad at the end of the split: ``alpha[r] = 1 / l`` (0 for a
     row that saw nothing) and, from lane 0, the partial log-sum-exp ``m + log l``."""
@@ -254,7 +254,7 @@ def _make_tiled_kernel(kind: str):
     # Global reads go through flat 1-D views with unsigned offsets: the row offset of each slot
     # of the tile is computed once (slot_off), so a read is one add and one load (a 3-D signed
     # index costs numba ~20 instructions: 64-bit multiplies and negative-index wraparound).
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def fetch4(flat, row_off, ok, d, width):
         """Values ``d .. d + 3`` of one cache row (0 past ``width`` or if not ``ok``), *in
         flight*: a float32x4 of the values, or for packed bf16 (``d``, ``width`` even) the two
@@ -278,7 +278,7 @@ def _make_tiled_kernel(kind: str):
             v[e] = widen1(flat[row_off + uint64(d + e)]) if ok and d + e < width else float32(0.0)
         return float32x4(v[0], v[1], v[2], v[3])
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def widen4(v):
         """The 4 float32 values of a :func:`fetch4` result (packed bf16: split the words)."""
         if packed:
@@ -287,7 +287,7 @@ def _make_tiled_kernel(kind: str):
             return float32x4(lo0, hi0, lo1, hi1)
         return v
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def fetch_q4(ql_flat, qr_flat, off_l, off_r, ok, d, Dc, D):
         """Dims ``d .. d + 3`` of one query row ``[q_latent | q_rope]`` as a float32x4."""
         v = cuda.local.array(4, float32)
@@ -299,7 +299,7 @@ def _make_tiled_kernel(kind: str):
             v[e] = x
         return float32x4(v[0], v[1], v[2], v[3])
 
-    @cuda.jit(device=True, inline=True)
+    @cuda.jit(device=True, inline="always")
     def fetch_c(flat, slot_off, t_valid, sub, Dc, tid, c_next):
         """Global -> registers: this thread's 4 vectors of the latent sub-tile at slots
         ``sub ..``: slot ``sub + tid // 128 + 2 j``, columns ``4 (tid % 128) ..`` (128 =

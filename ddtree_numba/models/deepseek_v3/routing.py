@@ -38,13 +38,13 @@ MAX_EXPERTS = 512       # experts a block holds, one thread each (DeepSeek-V3: 2
 MAX_GROUPS = 32         # (DeepSeek-V3: 8)
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _score(logits, t, e):
     """``sigmoid(logits[t, e])`` in float32."""
     return float32(1) / (float32(1) + math.exp(-logits[t, e]))
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")
 def _beats(value_a, index_a, value_b, index_b):
     """Whether ``a`` ranks before ``b``: a larger value, or an equal one at a lower index."""
     return value_a > value_b or (value_a == value_b and index_a < index_b)
