@@ -52,7 +52,7 @@ plus arithmetic on registers; no shared-memory frontier and no rescan.
 
 The chain starts with the two reductions. Reducing the *runner-up* (the warp's best slot but
 the pop) beside the loads instead, and taking the next pop as the best of it and the three new
-corners, was built and timed on an H100: 1 % faster at budget 64, 4-13 % slower from budget
+corners, was built and timed on an H100: 1 % faster at budget 64, 3-13 % slower from budget
 128, where ``P`` is larger (``benchmarks/NOTES.md``). This kernel keeps the shorter loop.
 
 Unchecked input that breaks the rules (a log-prob ``> 0``, NaN) can break the staircase; the
