@@ -135,8 +135,7 @@ def performance_figures(out: str) -> None:
         ax.set(xscale="log", yscale="log", xlabel="budget B", ylabel="microseconds",
                title=f"build_tree ({rows[0]['gpu']}, {rows[0]['date']})")
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))   # beside the lines
-        fig.savefig(os.path.join(out, "perf_build_tree.png"), dpi=110, bbox_inches="tight")
-        plt.close(fig)
+        _save(fig, out, "perf_build_tree.png", dpi=110)
         _table(rows, ["bs", "budget", "gpu_us", "default_select", "threshold_select_us",
                       "corners_select_us", "warp_select_us", "levels_select_us",
                       "python_heap_us", "speedup_vs_heap"],
@@ -158,8 +157,7 @@ def performance_figures(out: str) -> None:
         ax.set(ylabel="TFLOP/s", title=f"verify_attn ({rows[0]['gpu']}, {rows[0]['date']})")
         ax.set_ylim(0, 1.3 * float(rows[0]["sgemm_tflops"]))    # room above the SGEMM line
         ax.legend(fontsize=8, loc="upper left", ncol=2)          # ... for the legend
-        fig.savefig(os.path.join(out, "perf_verify_attn.png"), dpi=110, bbox_inches="tight")
-        plt.close(fig)
+        _save(fig, out, "perf_verify_attn.png", dpi=110)
         _table(rows, ["bs", "N", "prefix", "H", "dtype", "gpu_us", "tflops", "pct_of_sgemm",
                       "cupy_fp32_us", "torch_bf16_us"],
                ["bs", "N", "prefix", "H", "cache", "kernel us", "TFLOP/s", "% of SGEMM",
@@ -181,8 +179,7 @@ def performance_figures(out: str) -> None:
                    fontsize=9, frameon=False)       # one legend, under both plots
         fig.suptitle(f"GreedyStep, toy MLA target ({_when(rows)})",
                      fontsize=10)
-        fig.savefig(os.path.join(out, "perf_step.png"), dpi=110, bbox_inches="tight")
-        plt.close(fig)
+        _save(fig, out, "perf_step.png", dpi=110)
         stages = [c for c in rows[0] if c.endswith("_us") and not c.startswith(("eager",
                                                                                "graph"))]
         _table(rows, ["cache", "attention", "bs", "budget", "launches", "mean_accept_len",
@@ -244,6 +241,12 @@ def _gpu_value(module, name: str):
 # Eight light colours for warps; the highlighted thread is drawn in black on top.
 _WARP_COLOURS = ["#a6cee3", "#b2df8a", "#fb9a99", "#fdbf6f", "#cab2d6", "#ffff99", "#8dd3c7",
                  "#d9d9d9"]
+
+
+def _save(fig, out: str, name: str, dpi: int = 100) -> None:
+    """Write ``fig`` as ``out/name``, cropped to what it draws, and free it."""
+    fig.savefig(os.path.join(out, name), dpi=dpi, bbox_inches="tight")
+    _plt().close(fig)
 
 
 def _title(ax, text: str, fontsize: float = 10) -> None:
@@ -340,8 +343,7 @@ def verify_attn_layout(out: str) -> None:
                      fontsize=10, weight="bold")
         axes[2].text(128 * (w % 4) + 63.5, y, f"warp {w}", ha="center", va="center",
                      fontsize=10, weight="bold")
-    fig.savefig(os.path.join(out, "layout_verify_attn.png"), dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    _save(fig, out, "layout_verify_attn.png")
 
     fig, ax = plt.subplots(figsize=(7.5, 3.0))
     grid = np.zeros((4, 8), int)
@@ -358,8 +360,7 @@ def verify_attn_layout(out: str) -> None:
     _title(ax, "lane -> (a, b): a = lane bits 0, 2 (the row quad); b = bits 1, 3, 4 (slots, "
                  "columns).\nLanes n, n^1 share b: one K / C read serves both; n, n^2 share a: "
                  "one Q / P read")
-    fig.savefig(os.path.join(out, "layout_verify_attn_lanes.png"), dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    _save(fig, out, "layout_verify_attn_lanes.png")
 
 
 def build_tree_layout(out: str) -> None:
@@ -424,8 +425,7 @@ def build_tree_layout(out: str) -> None:
     ax2.set_xticks(range(0, group, 4))
     _title(ax2, "after the pop, the whole warp rescans the winner's group: lane j reads "
                   "entries 2 j, 2 j + 1 (numbers: j)")
-    fig.savefig(os.path.join(out, "layout_build_tree.png"), dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    _save(fig, out, "layout_build_tree.png")
 
 
 def build_tree_corners_layout(out: str) -> None:
@@ -482,9 +482,7 @@ def build_tree_corners_layout(out: str) -> None:
         "registers; two warp reductions",
         "find the best of them, the next pop (red star)."]), fontsize=9, x=0.02, ha="left",
         y=1.12)
-    fig.savefig(os.path.join(out, "layout_build_tree_corners.png"), dpi=100,
-                bbox_inches="tight")
-    plt.close(fig)
+    _save(fig, out, "layout_build_tree_corners.png")
 
 
 def build_tree_threshold_layout(out: str) -> None:
@@ -539,9 +537,7 @@ def build_tree_threshold_layout(out: str) -> None:
                 f"over the sums, each next one by a step. Bottom: the writers, a colour a warp, "
                 f"thread {picked} black. A warp a parent would have left parent 0's "
                 f"{counts[0]} children to one warp.")
-    fig.savefig(os.path.join(out, "layout_build_tree_threshold.png"), dpi=100,
-                bbox_inches="tight")
-    plt.close(fig)
+    _save(fig, out, "layout_build_tree_threshold.png")
 
 
 def _finish_writers(N: int, i0: int, rows: int, threads: int, head: int = 0):
@@ -606,9 +602,7 @@ def build_tree_finish_layout(out: str) -> None:
                 f"(dark grey) go one by one, the rest as words, a thread each (alternate "
                 f"colours; thread 5 black): {N // 8} words or so, so warp 0 writes them and "
                 f"the block's other {T // 32 - 1} warps have none.")
-    fig.savefig(os.path.join(out, "layout_build_tree_finish.png"), dpi=100,
-                bbox_inches="tight")
-    plt.close(fig)
+    _save(fig, out, "layout_build_tree_finish.png")
 
 
 def draft_topk_layout(out: str) -> None:
@@ -638,8 +632,7 @@ def draft_topk_layout(out: str) -> None:
                 f"black: thread 37",
                 len(_WARP_COLOURS))
     ax.set_yticks(range(unroll))
-    fig.savefig(os.path.join(out, "layout_draft_topk.png"), dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    _save(fig, out, "layout_draft_topk.png")
 
 
 def accept_commit_layout(out: str) -> None:
@@ -687,8 +680,7 @@ def accept_commit_layout(out: str) -> None:
                   f"P + 1 .. P + {len(path) - 1}. Thread 100 (black) reads column 100 of "
                   f"every source,\nthen writes them, ascending. A warp moves 128 bytes of a "
                   f"row (float32)")
-    fig.savefig(os.path.join(out, "layout_accept_commit.png"), dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    _save(fig, out, "layout_accept_commit.png")
 
 
 def accept_commit_fused_layout(out: str) -> None:
@@ -712,9 +704,7 @@ def accept_commit_fused_layout(out: str) -> None:
                 f"tree rows and walking them before it moves its items (colours: blocks; "
                 f"black: thread 37 of each block, its word of every accepted row)",
                 len(_WARP_COLOURS))
-    fig.savefig(os.path.join(out, "layout_accept_commit_fused.png"), dpi=100,
-                bbox_inches="tight")
-    plt.close(fig)
+    _save(fig, out, "layout_accept_commit_fused.png")
 
 
 def thumbnails(out: str, tree) -> None:
@@ -730,15 +720,13 @@ def thumbnails(out: str, tree) -> None:
                         arrowprops={"arrowstyle": "->", "lw": 1.5})
     ax.set(xlim=(0, 1), ylim=(-0.5, 4.5))
     ax.set_axis_off()
-    fig.savefig(os.path.join(out, "thumb_stages.png"), dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    _save(fig, out, "thumb_stages.png")
 
     n = int(tree.num_nodes[0])
     fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.imshow(tree.visibility[0, :n, :n], cmap="Blues", interpolation="nearest")
     ax.set(xlabel="key node j", ylabel="query node i", title="visibility: j is an ancestor of i")
-    fig.savefig(os.path.join(out, "thumb_visibility.png"), dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    _save(fig, out, "thumb_visibility.png")
 
 
 def mma_fragment_figure(out: str) -> None:
