@@ -15,7 +15,7 @@ import os
 import sys
 
 from . import __version__
-from ._platform import choose_backend
+from ._platform import choose_backend, collect_less_often
 from .limits import MAX_BATCH, MAX_BUDGET, MAX_DEPTH, MAX_K, MAX_VOCAB
 
 PROG = "python -m ddtree_numba"
@@ -342,6 +342,7 @@ COMMANDS = {"demo": _demo, "info": _info, "build-report": _build_report,
 
 def main(argv=None) -> int:
     args = make_parser().parse_args(argv)
+    collect_less_often()            # the commands compile kernels: see its docstring
     command = COMMANDS[args.command]
     try:
         return command(args) if args.command != "info" else command()
