@@ -108,10 +108,8 @@ RESIDENT_PHASES = ["start", "loads and keys", "block max", "floor", "sum of exp"
 
 
 def resident_edits():
-    a = [("    def resident_select(words, bits, wlo, whi, k, tid, cand, hist, scratch, result, "
-          "red_u,\n                        red_f, n_cand):",
-          "    def resident_select(words, bits, wlo, whi, k, tid, cand, hist, scratch, result, "
-          "red_u,\n                        red_f, n_cand, marks):")]
+    a = [("    def load_keys(words, wlo, whi, k, tid, keys, cand, red_u, red_f):",
+          "    def load_keys(words, wlo, whi, k, tid, keys, cand, red_u, red_f, marks):")]
     after = {
         "        top_t = uint32(0)                       # this thread's largest key (0: holds "
         "none)\n": 1,
@@ -121,9 +119,9 @@ def resident_edits():
         "        total = block_sum_f32(red_f, s, tid, T)\n": 4,
     }
     a += [(line, line + mark(8, str(slot))) for line, slot in after.items()]
-    sort = "        sort_desc_any(cand, found, tid, T)\n"
-    a += [(sort, mark(8, "5") + "        if tid == 0:\n            marks[14] = found\n"
-           + sort + mark(8, "6"))]
+    sort = "                sort_desc_any(cand, found, tid, RESIDENT_THREADS)\n"   # (part kernel)
+    a += [(sort, mark(16, "5") + "                if tid == 0:\n                    marks[14] = "
+           "found\n" + sort + mark(16, "6"))]
     a += [("    def part_kernel(words, bits, k, chunk, part_keys, part_max, part_sum, "
            "row_done,\n                    top_log_probs, top_token_ids):",
            "    def part_kernel(words, bits, k, chunk, part_keys, part_max, part_sum, "
@@ -131,9 +129,10 @@ def resident_edits():
           ("        n_words = words.shape[1]\n        lo = min(p * chunk, n_words)",
            "        marks = all_marks[row_id, p]\n" + mark(8, "10", fn="ns") + mark(8, "0")
            + "        n_words = words.shape[1]\n        lo = min(p * chunk, n_words)"),
-          ("hist, scratch, result, red_u, red_f, n_cand)\n            store_part(cand, kk,",
-           "hist, scratch, result, red_u, red_f, n_cand, marks)\n            "
-           "store_part(cand, kk,"),
+          ("lo, hi, k, tid, keys, cand,\n                                                     "
+           "red_u, red_f)\n",
+           "lo, hi, k, tid, keys, cand,\n                                                     "
+           "red_u, red_f, marks)\n"),
           ("        cuda.threadfence()                      # this thread's stores are visible "
            "GPU-wide\n",
            mark(8, "7") + "        cuda.threadfence()                      # this thread's "
@@ -232,8 +231,13 @@ def filtered_edits():
     12 (candidates sorted), 13 (the radix select's levels), and per warp ``w``: 16 + w its
     loop's end, 24 + w its tiles that appended, 32 + w its compactions before a fast append,
     40 + w its slow appends."""
-    sig = ("    def filter_select(words, bits, wlo, whi, k, tid, buf, top, hist, scratch, result, "
-           "red_u,\n                      red_f, n_cand, counts, tops, floor_b, slice_lo):")
+    # the phases called by the whole-row kernel take the marks (the row-slices kernel, never
+    # launched here, is left calling them without: it is never compiled)
+    sig = ("    def filter_slice(words, wlo, whi, k, tid, buf, hist, red_u, red_f, counts, tops,\n"
+           "                     floor_b, slice_lo):")
+    edge_sig = ("    def held_edge(kk, tid, buf, hist, scratch, result, counts, tops, "
+                "floor_b):")
+    gather_sig = "    def gather_held(edge, tid, buf, top, counts, n_cand):"
     reset = ("        cuda.syncthreads()                  # block state reset before any warp "
              "reads it\n")
     guessed = ("        cuda.syncthreads()                  # every warp's guess in floor_b[1]\n")
@@ -267,16 +271,21 @@ def filtered_edits():
                   "            marks[40 + warp] = counters[2 * WARPS + warp]\n")
     lse_done = "        cut_key = max(floor_b[0], floor_b[1])\n"
     level = "                ties = result[2]\n"
-    fallback = "        if counts[WARPS] != 0 or short or kk - need + ties > TOP_CAP:\n"
+    fallback = "        again = counts[WARPS] != 0 or short or kk - need + ties > TOP_CAP\n"
     gathered = "        cuda.syncthreads()                  # all gathered\n"
     sort = "        sort_desc_any(top, n_cand[0], tid, T)\n"
     kernel = "    def whole_row_kernel(words, bits, k, top_log_probs, top_token_ids):\n"
     body = "        tid = cuda.threadIdx.x\n        (buf, top, hist"
-    call = ("                                    counts, tops, floor_b, slice_lo)\n"
-            "        lse = m + math.log(total)")
+    call = ("        m, total, kk = filter_slice(row_words, 0, n_words, k, tid, buf, hist, red_u, "
+            "red_f,\n                                    counts, tops, floor_b, slice_lo)\n"
+            "        edge, again = held_edge(kk, tid, buf, hist, scratch, result, counts, tops, "
+            "floor_b)\n")
+    gather_call = "            gather_held(edge, tid, buf, top, counts, n_cand)\n        lse"
     write_top = ("        _write_top(top, k, lse, row_id, tid, FILTER_THREADS, top_log_probs, "
                  "top_token_ids)\n\n    @kernel_for_block")
     return [(sig, sig.replace("slice_lo):", "slice_lo, marks):")),
+            (edge_sig, edge_sig.replace("floor_b):", "floor_b, marks):")),
+            (gather_sig, gather_sig.replace("n_cand):", "n_cand, marks):")),
             (reset, reset + mark(8, "1")),
             (guessed, guessed + mark(8, "2")),
             (start, start + counters),
@@ -297,7 +306,9 @@ def filtered_edits():
             (kernel, kernel.replace("top_token_ids):", "top_token_ids, all_marks):")),
             (body, body.replace("        (buf,", "        marks = all_marks[row_id]\n"
                                 + mark(8, "10", fn="ns") + mark(8, "0") + "        (buf,")),
-            (call, call.replace("slice_lo)", "slice_lo, marks)")),
+            (call, call.replace("slice_lo)", "slice_lo, marks)").replace("floor_b)",
+                                                                          "floor_b, marks)")),
+            (gather_call, gather_call.replace("n_cand)", "n_cand, marks)")),
             (write_top, write_top.replace("\n\n    @kernel_for_block",
                                           "\n" + mark(8, "7") + mark(8, "11", fn="ns")
                                           + "\n    @kernel_for_block"))]

@@ -42,3 +42,4 @@ def test_every_anchor_is_in_its_kernel_once(phase_clock, report):
     for anchor, replacement in getattr(phase_clock, f"{report}_edits")():
         assert source.count(anchor) == 1, anchor    # as instrument() applies them: in turn
         source = source.replace(anchor, replacement)
+    compile(source, module.__file__, "exec")        # the marked copy is still Python

@@ -494,12 +494,22 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | No
             n += cuda.popc(mask)
         return m, s, n, floor, overflow    # overflow: the block falls back below
 
+    # A block's select in four phases, which the kernels call one after the other (phase
+    # helpers rather than one helper for the whole select: numba inlines a helper by copying
+    # its IR, at a cost that grows with its size squared, and one helper holding the whole
+    # select was half of each kernel's compile time):
+    #   filter_slice   the pass over the slice: the warps' held sets, the log-sum-exp terms
+    #   held_edge      the exact radix select over the held keys, or "they cannot answer"
+    #   gather_held    the held candidates at or above the edge into top, sorted
+    #   select_again   (where they cannot) the two-pass select on the slice, into top
+
     @cuda.jit(device=True, inline="always")
-    def filter_select(words, bits, wlo, whi, k, tid, buf, top, hist, scratch, result, red_u,
-                      red_f, n_cand, counts, tops, floor_b, slice_lo):
-        """All threads call it; afterwards ``top[0:kk]`` holds the ``kk = min(k, logits)``
-        best packed candidates of ``words[wlo:whi]``, best first. Returns ``(m, s, kk)``: the
-        slice's max logit and sum of ``exp(x - m)``."""
+    def filter_slice(words, wlo, whi, k, tid, buf, hist, red_u, red_f, counts, tops,
+                     floor_b, slice_lo):
+        """All threads call it. Filters ``words[wlo:whi]`` into the warps' held sets in
+        ``buf``. Returns ``(m, s, kk)``: the slice's max logit, its sum of ``exp(x - m)``, and
+        ``kk = min(k, logits)``; ``counts``, ``tops``, ``floor_b`` and ``slice_lo`` then say
+        what each warp holds (visible to all: the last reduction ends with a barrier)."""
         T = FILTER_THREADS
         lane = tid & 31
         warp = tid >> 5
@@ -573,6 +583,16 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | No
         big = block_max(red_f, m, tid, T)
         total = block_sum(red_f, s * math.exp(m - big) if m > NEG_INF else float32(0.0),
                           tid, T)
+        return big, total, kk
+
+    @cuda.jit(device=True, inline="always")
+    def held_edge(kk, tid, buf, hist, scratch, result, counts, tops, floor_b):
+        """All threads call it, after :func:`filter_slice`. Returns ``(edge, again)``: the
+        best ``kk`` of the slice are among the held keys at or above ``edge`` (with some ties
+        at the ``kk``-th key, ``TOP_CAP`` at most), unless ``again``: a warp overflowed, the
+        guessed floor was too high, or too many ties at the ``kk``-th key, and the block must
+        read its slice again (:func:`select_again`)."""
+        T = FILTER_THREADS
         # Every logit whose key is at or above cut_key = max(floor_b[0], the guess) is held:
         # the cut never rose above it, and a compaction drops only keys below its own floor.
         # Without a guess, floor_b[0] is valid (a compaction's warp held kk keys at or above
@@ -629,23 +649,15 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | No
                 hi = uint32(min(uint64(lo) + (uint64(1) << uint64(shift)) - uint64(1),
                                 uint64(hi)))
                 shift = uint32(max(0, int32(shift) - 11))
-        if counts[WARPS] != 0 or short or kk - need + ties > TOP_CAP:
-            # a warp overflowed, the guessed floor was too high, or too many ties at the
-            # kk-th key: the two-pass select on the slice (reads it again), its best kk
-            # copied to top. The slice's start is read back from shared memory: nothing
-            # after the tile loop but this needs it, and held in a register across the loop
-            # it was the value NVVM 13.0 spilled in the row-slices kernel at the
-            # 128-register bound (sm_90)
-            lo = slice_lo[0]
-            big, total, _ = select_top(bits, lo * per_word, whi * per_word, k, tid, T, buf,
-                                       hist, scratch, result, red_u, red_f, n_cand)
-            for j in range(tid, kk, T):
-                top[j] = buf[j]
-            cuda.syncthreads()              # top in place
-            return big, total, kk
+        again = counts[WARPS] != 0 or short or kk - need + ties > TOP_CAP
+        return edge, again
 
-        # gather the held keys >= the threshold bin's lower edge (kk - need above the bin,
-        # ties in it: at most TOP_CAP), and sort them
+    @cuda.jit(device=True, inline="always")
+    def gather_held(edge, tid, buf, top, counts, n_cand):
+        """All threads call it, where :func:`held_edge` did not say ``again``: gathers the held keys
+        at or above ``edge`` (``kk - need`` above its bin, the ties in it: at most
+        ``TOP_CAP``) into ``top`` and sorts them, best first."""
+        T = FILTER_THREADS
         if tid == 0:
             n_cand[0] = 0
         cuda.syncthreads()                  # counter reset before the atomics
@@ -656,7 +668,24 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | No
                     top[cuda.atomic.add(n_cand, 0, 1)] = packed
         cuda.syncthreads()                  # all gathered
         sort_desc_any(top, n_cand[0], tid, T)
-        return big, total, kk
+
+    @cuda.jit(device=True, inline="always")
+    def select_again(bits, whi, k, kk, tid, buf, top, hist, scratch, result, red_u, red_f,
+                     n_cand, slice_lo):
+        """All threads call it, where :func:`held_edge` said ``again``: the two-pass
+        select on the slice (it reads the slice again), its best ``kk`` copied to ``top``.
+        Returns ``(m, s)`` as :func:`filter_slice` does. The slice's start is read back from
+        shared memory: nothing after the tile loop but this needs it, and held in a register
+        across the loop it was the value NVVM 13.0 spilled in the row-slices kernel at the
+        128-register bound (sm_90)."""
+        T = FILTER_THREADS
+        lo = slice_lo[0]
+        big, total, _ = select_top(bits, lo * per_word, whi * per_word, k, tid, T, buf, hist,
+                                   scratch, result, red_u, red_f, n_cand)
+        for j in range(tid, kk, T):
+            top[j] = buf[j]
+        cuda.syncthreads()                  # top in place
+        return big, total
 
     @cuda.jit(device=True, inline="always")
     def shared_state():
@@ -686,9 +715,17 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | No
         tid = cuda.threadIdx.x
         (buf, top, hist, scratch, result, red_u, red_f, n_cand, counts, tops, floor_b,
          slice_lo) = shared_state()
-        m, total, _ = filter_select(words[row_id], bits[row_id], 0, words.shape[1], k, tid,
-                                    buf, top, hist, scratch, result, red_u, red_f, n_cand,
+        row_words = words[row_id]
+        row_bits = bits[row_id]
+        n_words = words.shape[1]
+        m, total, kk = filter_slice(row_words, 0, n_words, k, tid, buf, hist, red_u, red_f,
                                     counts, tops, floor_b, slice_lo)
+        edge, again = held_edge(kk, tid, buf, hist, scratch, result, counts, tops, floor_b)
+        if again:
+            m, total = select_again(row_bits, n_words, k, kk, tid, buf, top, hist, scratch,
+                                    result, red_u, red_f, n_cand, slice_lo)
+        else:
+            gather_held(edge, tid, buf, top, counts, n_cand)
         lse = m + math.log(total) if m > NEG_INF else NEG_INF
         _write_top(top, k, lse, row_id, tid, FILTER_THREADS, top_log_probs, top_token_ids)
 
@@ -708,9 +745,16 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | No
             store_part(top, 0, NEG_INF, float32(0.0), row_id, p, k, tid, FILTER_THREADS,
                        part_keys, part_max, part_sum)
             return
-        m, total, kk = filter_select(words[row_id], bits[row_id], lo, hi, k, tid, buf, top,
-                                     hist, scratch, result, red_u, red_f, n_cand, counts,
-                                     tops, floor_b, slice_lo)
+        row_words = words[row_id]
+        row_bits = bits[row_id]
+        m, total, kk = filter_slice(row_words, lo, hi, k, tid, buf, hist, red_u, red_f, counts,
+                                    tops, floor_b, slice_lo)
+        edge, again = held_edge(kk, tid, buf, hist, scratch, result, counts, tops, floor_b)
+        if again:
+            m, total = select_again(row_bits, hi, k, kk, tid, buf, top, hist, scratch, result,
+                                    red_u, red_f, n_cand, slice_lo)
+        else:
+            gather_held(edge, tid, buf, top, counts, n_cand)
         store_part(top, kk, m, total, row_id, p, k, tid, FILTER_THREADS, part_keys, part_max,
                    part_sum)
 

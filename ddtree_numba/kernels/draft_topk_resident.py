@@ -246,15 +246,20 @@ def _make_resident_kernels(bf16: bool):
         cuda.syncthreads()                      # every candidate written
         return int32(found)
 
+    # The kernels call the phases one after the other: load_keys (1, 2), find_candidates (3),
+    # then the sort (4) or, where the candidates cannot answer, the two-pass select. (Phase
+    # helpers rather than one helper for the whole select: numba inlines a helper by copying
+    # its IR, at a cost that grows with its size squared; one helper holding the whole select
+    # was 40 % of each kernel's compile time.)
+
     @cuda.jit(device=True, inline="always")
-    def resident_select(words, bits, wlo, whi, k, tid, cand, hist, scratch, result, red_u,
-                        red_f, n_cand):
-        """Phases 1-4 on ``words[wlo:whi]`` of one row (every thread calls it): afterwards
-        ``cand[0:kk]`` holds the slice's ``kk = min(k, logits)`` best packed candidates, best
-        first. Returns ``(m, s, kk)``: the slice's max logit and its sum of ``exp(x - m)``."""
+    def load_keys(words, wlo, whi, k, tid, keys, cand, red_u, red_f):
+        """Phases 1 and 2 on ``words[wlo:whi]`` of one row (every thread calls it): each
+        thread's keys into its ``keys`` (registers: a local array indexed by constants).
+        Returns ``(m, s, kk, key_max, floor)``: the slice's max logit, its sum of
+        ``exp(x - m)``, ``kk = min(k, logits)``, the block's max key and the floor F."""
         T = RESIDENT_THREADS
         raw = cuda.local.array(words_per_thread, uint64)
-        keys = cuda.local.array(LOGITS_PER_THREAD, uint32)
         for u in range(words_per_thread):       # every load in flight before any is used
             w = uint64(wlo) + uint64(u * T + tid)
             raw[u] = words[w] if w < uint64(whi) else uint64(0)
@@ -292,7 +297,14 @@ def _make_resident_kernels(bf16: bool):
         m = float_of_key(key_max)
         s = s_t * math.exp2((m_t - m) * LOG2E) if s_t > float32(0.0) else s_t
         total = block_sum_f32(red_f, s, tid, T)
+        return m, total, kk, key_max, floor
 
+    @cuda.jit(device=True, inline="always")
+    def find_candidates(keys, key_max, floor, kk, wlo, tid, cand, hist, scratch, result):
+        """Phase 3 (every thread calls it, after :func:`load_keys`): gathers the candidates
+        into ``cand``. Returns ``(found, edge)``: ``found`` candidates, all keys at or above
+        ``edge``; ``edge == 0`` where they cannot answer (ties crowd them), and the block
+        must run the two-pass select on its slice."""
         # 3. the candidates: the keys >= F, most often few enough to gather at once; else
         #    a histogram finds a higher edge that lets at most CAND_CAP through (two passes
         #    of the loop at most: the second edge's keys always fit)
@@ -307,15 +319,7 @@ def _make_resident_kernels(bf16: bool):
             edge = _histogram_edge(keys, key_max, floor, kk, tid, hist, scratch, result)
             if edge == 0:                       # ties at one key crowd the candidates
                 break
-
-        if edge == 0:                           # the two-pass select on the slice (reads it
-            per = per_word                      # again from global memory; uniform branch)
-            return select_top(bits, wlo * per, whi * per, k, tid, T, cand, hist, scratch,
-                              result, red_u, red_f, n_cand)
-
-        # 4. sort the candidates, descending (one a thread, in registers and shuffles)
-        sort_desc_any(cand, found, tid, T)
-        return m, total, kk
+        return found, edge
 
     @kernel_for_block(RESIDENT_THREADS)
     def whole_row_kernel(words, bits, k, top_log_probs, top_token_ids):
@@ -325,8 +329,21 @@ def _make_resident_kernels(bf16: bool):
         tid = cuda.threadIdx.x
         cand = cuda.shared.array(SORT_CAP, uint64)  # candidates; the fallback's; the merge's
         hist, scratch, result, red_u, red_f, n_cand = select_shared()
-        m, total, _ = resident_select(words[row_id], bits[row_id], 0, words.shape[1], k, tid,
-                                      cand, hist, scratch, result, red_u, red_f, n_cand)
+        row_words = words[row_id]
+        row_bits = bits[row_id]
+        n_words = words.shape[1]
+        keys = cuda.local.array(LOGITS_PER_THREAD, uint32)
+        m, total, kk, key_max, floor = load_keys(row_words, 0, n_words, k, tid, keys, cand,
+                                                 red_u, red_f)
+        found, edge = find_candidates(keys, key_max, floor, kk, 0, tid, cand, hist, scratch,
+                                      result)
+        if edge == 0:
+            # the two-pass select on the row (it reads the row again; a uniform branch)
+            m, total, _ = select_top(row_bits, 0, n_words * per_word, k, tid, RESIDENT_THREADS,
+                                     cand, hist, scratch, result, red_u, red_f, n_cand)
+        else:
+            # 4. sort the candidates, descending (one a thread, in registers and shuffles)
+            sort_desc_any(cand, found, tid, RESIDENT_THREADS)
         lse = m + math.log(total) if m > NEG_INF else NEG_INF
         _write_top(cand, k, lse, row_id, tid, RESIDENT_THREADS, top_log_probs, top_token_ids)
 
@@ -352,8 +369,21 @@ def _make_resident_kernels(bf16: bool):
             store_part(cand, 0, NEG_INF, float32(0.0), row_id, p, k, tid, RESIDENT_THREADS,
                        part_keys, part_max, part_sum)
         else:
-            m, total, kk = resident_select(words[row_id], bits[row_id], lo, hi, k, tid, cand,
-                                           hist, scratch, result, red_u, red_f, n_cand)
+            row_words = words[row_id]
+            row_bits = bits[row_id]
+            keys = cuda.local.array(LOGITS_PER_THREAD, uint32)
+            m, total, kk, key_max, floor = load_keys(row_words, lo, hi, k, tid, keys, cand,
+                                                     red_u, red_f)
+            found, edge = find_candidates(keys, key_max, floor, kk, lo, tid, cand, hist,
+                                          scratch, result)
+            if edge == 0:
+                # the two-pass select on the slice (it reads the slice again; uniform)
+                m, total, kk = select_top(row_bits, lo * per_word, hi * per_word, k, tid,
+                                          RESIDENT_THREADS, cand, hist, scratch, result, red_u,
+                                          red_f, n_cand)
+            else:
+                # 4. sort the candidates, descending (one a thread, in registers and shuffles)
+                sort_desc_any(cand, found, tid, RESIDENT_THREADS)
             store_part(cand, kk, m, total, row_id, p, k, tid, RESIDENT_THREADS, part_keys,
                        part_max, part_sum)
         # Count this part done (as verify_attn's fused merge does). Each thread's fence orders
