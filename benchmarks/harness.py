@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 from ddtree_numba import kernels as K  # noqa: E402
 from ddtree_numba._platform import collect_less_often  # noqa: E402
 
-collect_less_often()        # a benchmark compiles many kernels first (see its docstring)
+collect_less_often()        # a benchmark compiles many kernels first: see collect_less_often
 
 FLUSH_BYTES = 256 << 20
 

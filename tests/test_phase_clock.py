@@ -2,6 +2,7 @@
 The script stops on a GPU when an anchor has changed; this checks them on every run of the
 suite, so that a kernel edit that moves an anchor fails here rather than in device time."""
 
+import ast
 import importlib.util
 import os
 import sys
@@ -42,4 +43,37 @@ def test_every_anchor_is_in_its_kernel_once(phase_clock, report):
     for anchor, replacement in getattr(phase_clock, f"{report}_edits")():
         assert source.count(anchor) == 1, anchor    # as instrument() applies them: in turn
         source = source.replace(anchor, replacement)
-    compile(source, module.__file__, "exec")        # the marked copy is still Python
+    _check_marks_reach_their_users(ast.parse(source, module.__file__))
+
+
+def _check_marks_reach_their_users(tree):
+    """In the marked copy: a function that reads ``marks`` takes it or makes it, and inside a
+    function that has ``marks`` every call of a function of the module passes as many
+    arguments as it takes (the kernels the script never launches are never compiled, and may
+    keep their unmarked calls)."""
+    functions = {f.name: f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}
+
+    def own_nodes(function):            # its body, not that of the functions it defines
+        todo = list(ast.iter_child_nodes(function))
+        while todo:
+            node = todo.pop()
+            yield node
+            if not isinstance(node, ast.FunctionDef):
+                todo += ast.iter_child_nodes(node)
+
+    def names(function, context):
+        return {n.id for n in own_nodes(function) if isinstance(n, ast.Name)
+                and isinstance(n.ctx, context)}
+
+    for function in functions.values():
+        has_marks = ("marks" in {a.arg for a in function.args.args}
+                     or "marks" in names(function, ast.Store))
+        assert has_marks or "marks" not in names(function, ast.Load), function.name
+        if not has_marks:
+            continue
+        for call in own_nodes(function):
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Name):
+                callee = functions.get(call.func.id)
+                if callee is not None and callee is not function:
+                    assert len(call.args) == len(callee.args.args), (function.name,
+                                                                     callee.name)

@@ -496,8 +496,8 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | No
 
     # A block's select in four phases, which the kernels call one after the other (phase
     # helpers rather than one helper for the whole select: numba inlines a helper by copying
-    # its IR, at a cost that grows with its size squared, and one helper holding the whole
-    # select was half of each kernel's compile time):
+    # its IR, at a cost that grows with its size squared, and splicing in one helper holding
+    # the whole select was 40-50 % of each kernel's compile time):
     #   filter_slice   the pass over the slice: the warps' held sets, the log-sum-exp terms
     #   held_edge      the exact radix select over the held keys, or "they cannot answer"
     #   gather_held    the held candidates at or above the edge into top, sorted
@@ -508,8 +508,9 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | No
                      floor_b, slice_lo):
         """All threads call it. Filters ``words[wlo:whi]`` into the warps' held sets in
         ``buf``. Returns ``(m, s, kk)``: the slice's max logit, its sum of ``exp(x - m)``, and
-        ``kk = min(k, logits)``; ``counts``, ``tops``, ``floor_b`` and ``slice_lo`` then say
-        what each warp holds (visible to all: the last reduction ends with a barrier)."""
+        ``kk = min(k, logits)``. ``counts`` and ``tops`` then say what each warp holds,
+        ``floor_b`` the floors and ``slice_lo`` the slice's start (visible to all: the last
+        reduction ends with a barrier)."""
         T = FILTER_THREADS
         lane = tid & 31
         warp = tid >> 5
@@ -654,9 +655,9 @@ def _make_filtered_kernels(bf16: bool, guess: bool = True, ahead_tiles: int | No
 
     @cuda.jit(device=True, inline="always")
     def gather_held(edge, tid, buf, top, counts, n_cand):
-        """All threads call it, where :func:`held_edge` did not say ``again``: gathers the held keys
-        at or above ``edge`` (``kk - need`` above its bin, the ties in it: at most
-        ``TOP_CAP``) into ``top`` and sorts them, best first."""
+        """All threads call it, where :func:`held_edge` did not say ``again``: gathers the held
+        keys at or above ``edge`` (at most ``TOP_CAP``, as ``held_edge`` made sure) into
+        ``top`` and sorts them, best first."""
         T = FILTER_THREADS
         if tid == 0:
             n_cand[0] = 0

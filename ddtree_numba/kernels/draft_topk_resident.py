@@ -249,8 +249,8 @@ def _make_resident_kernels(bf16: bool):
     # The kernels call the phases one after the other: load_keys (1, 2), find_candidates (3),
     # then the sort (4) or, where the candidates cannot answer, the two-pass select. (Phase
     # helpers rather than one helper for the whole select: numba inlines a helper by copying
-    # its IR, at a cost that grows with its size squared; one helper holding the whole select
-    # was 40 % of each kernel's compile time.)
+    # its IR, at a cost that grows with its size squared; splicing in one helper holding the
+    # whole select was about 40 % of each kernel's compile time.)
 
     @cuda.jit(device=True, inline="always")
     def load_keys(words, wlo, whi, k, tid, keys, cand, red_u, red_f):
@@ -303,8 +303,9 @@ def _make_resident_kernels(bf16: bool):
     def find_candidates(keys, key_max, floor, kk, wlo, tid, cand, hist, scratch, result):
         """Phase 3 (every thread calls it, after :func:`load_keys`): gathers the candidates
         into ``cand``. Returns ``(found, edge)``: ``found`` candidates, all keys at or above
-        ``edge``; ``edge == 0`` where they cannot answer (ties crowd them), and the block
-        must run the two-pass select on its slice."""
+        ``edge``; ``edge == 0`` where they cannot answer (ties crowd them, or fewer than
+        ``kk`` keys reach the floor: key-0 NaNs of an unchecked row), and the block must run
+        the two-pass select on its slice."""
         # 3. the candidates: the keys >= F, most often few enough to gather at once; else
         #    a histogram finds a higher edge that lets at most CAND_CAP through (two passes
         #    of the loop at most: the second edge's keys always fit)
