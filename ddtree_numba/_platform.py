@@ -32,7 +32,7 @@ SIMULATOR_NOTICE = ("ddtree_numba: no CUDA GPU found; using numba's CUDA simulat
 
 #: Python's garbage-collector thresholds while kernels compile (:func:`collect_less_often`);
 #: the default is ``(700, 10, 10)``.
-COMPILE_GC_THRESHOLDS = (100_000, 50, 100)
+COMPILE_GC_THRESHOLDS = (50_000, 10, 5)
 
 _auto_simulator = False         # the simulator was chosen automatically: announce it once
 _announced = False
@@ -140,11 +140,13 @@ def collect_less_often() -> None:
     numba inlines every device helper into its kernel by copying the helper's IR, and a large
     kernel makes tens of millions of short-lived objects while it compiles (draft_topk's
     one-pass kernel about 20 million). With the default thresholds the collector keeps walking
-    the growing heap: compiling that kernel for sm_120 took 55 s, and 42 s with
-    :data:`COMPILE_GC_THRESHOLDS` (a 2-core CPU; 41.5 s with the collector off). Nothing is
-    left uncollected; collections only come later. The library calls this only in processes of
-    its own (the command line and the build report's workers); the test suite and the
-    benchmarks call it too. A program that compiles the kernels can do the same with
-    ``gc.set_threshold(100_000, 50, 100)``.
+    the growing heap in full collections. Four of draft_topk's largest kernels compiled one
+    after another for sm_120 took 203 s with the default, 155 s with
+    :data:`COMPILE_GC_THRESHOLDS`, at the same peak memory (1.6 GB; a 2-core CPU, CPython
+    3.11). Fewer full collections are faster still but hold more garbage: ``(100_000, 50,
+    100)`` took 145 s and its heap grew with every kernel (1.9 GB). The library calls this
+    only in processes of its own (the command line and the build report's workers); the test
+    suite and the benchmarks call it too. A program that compiles the kernels can do the same
+    with ``gc.set_threshold(50_000, 10, 5)``.
     """
     gc.set_threshold(*COMPILE_GC_THRESHOLDS)
