@@ -138,8 +138,16 @@ def _nvrtc_ltoir(name: str, text: str, cc) -> bytes:
     return ltoir
 
 
-def link_kernel(kernel, signature, cc, cuda_sources=()) -> tuple:
-    """``(ptxas log, cubin)`` of one kernel for ``sm_XY``, no GPU needed.
+@dataclass(frozen=True)
+class Build:
+    """One kernel compiled and linked for one target (:func:`compile_kernel`)."""
+    ptx: str | None     # numba's PTX; None for a kernel that links CUDA C++ (built from LTO-IR)
+    log: str            # ptxas' ``-verbose`` report, through nvJitLink
+    cubin: bytes
+
+
+def compile_kernel(kernel, signature, cc, cuda_sources=()) -> Build:
+    """Compile one kernel for ``sm_XY`` and link it, no GPU needed.
 
     Plain numba kernels: PTX by numba-cuda, linked by nvJitLink. Kernels that call CUDA C++
     (``cuda_sources``, the tensor-core wrappers): LTO-IR of the kernel by numba-cuda and of the
@@ -164,6 +172,7 @@ def link_kernel(kernel, signature, cc, cuda_sources=()) -> tuple:
         inputs += [(nvjitlink.InputType.LTOIR, _nvrtc_ltoir(name, text, cc), name)
                    for name, text in cuda_sources]
         options.append("-lto")
+        ptx = None
     else:
         ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=cc, launch_bounds=bounds)
         inputs = [(nvjitlink.InputType.PTX, ptx.encode(), "kernel")]
@@ -183,7 +192,13 @@ def link_kernel(kernel, signature, cc, cuda_sources=()) -> tuple:
         nvjitlink.get_linked_cubin(handle, cubin)
     finally:
         nvjitlink.destroy(handle)
-    return log.decode(errors="replace"), bytes(cubin)
+    return Build(ptx, log.decode(errors="replace"), bytes(cubin))
+
+
+def link_kernel(kernel, signature, cc, cuda_sources=()) -> tuple:
+    """``(ptxas log, cubin)`` of one kernel for ``sm_XY`` (:func:`compile_kernel`)."""
+    build = compile_kernel(kernel, signature, cc, cuda_sources)
+    return build.log, build.cubin
 
 
 def compile_resources(kernel, signature, cc, cuda_sources=()) -> Resources:
@@ -208,12 +223,9 @@ def format_sass_notes(rows) -> list:
     return lines
 
 
-def sass_counts(cubin: bytes) -> dict:
-    """Instruction counts of a cubin's SASS by ``nvdisasm`` (the ``nvidia-cuda-nvdisasm``
-    wheel or a CUDA toolkit): tensor-core products (``HMMA``), shared-matrix loads
-    (``LDSM``), calls (``CALL``; ``CALL_runtime`` of them into the CUDA math runtime's
-    helpers), local-memory accesses (``LDL``/``STL``) and all
-    instructions. ``None`` when no nvdisasm is found."""
+def sass_text(cubin: bytes) -> str | None:
+    """A cubin's SASS by ``nvdisasm -c`` (the ``nvidia-cuda-nvdisasm`` wheel or a CUDA
+    toolkit); ``None`` when no nvdisasm is found."""
     import shutil
     import subprocess
     import tempfile
@@ -231,9 +243,29 @@ def sass_counts(cubin: bytes) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([tool, "-c", f.name], capture_output=True, text=True,
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True,
                               check=True).stdout
-    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
+
+
+# An instruction line of nvdisasm's output: its address comment, an optional predicate
+# (``@P0``, ``@!UP1``), then the opcode, whose modifiers (``.64``, ``.U32``) are left out.
+SASS_OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def sass_opcodes(sass: str) -> list:
+    """The opcode of every instruction of nvdisasm's text, in order."""
+    return SASS_OPCODE.findall(sass)
+
+
+def sass_counts(cubin: bytes) -> dict:
+    """Instruction counts of a cubin's SASS (:func:`sass_text`): tensor-core products
+    (``HMMA``), shared-matrix loads (``LDSM``), calls (``CALL``; ``CALL_runtime`` of them into
+    the CUDA math runtime's helpers), local-memory accesses (``LDL``/``STL``) and all
+    instructions. ``None`` when no nvdisasm is found."""
+    sass = sass_text(cubin)
+    if sass is None:
+        return None
+    ops = sass_opcodes(sass)
     # calls into the CUDA math runtime (e.g. the float32 division's slow path, taken only for
     # denormal or huge operands) as opposed to calls into functions that LTO left out of line
     runtime = re.findall(r"\bCALL\S*\s+`\(\$__internal_\d+_\$__cuda_", sass)
