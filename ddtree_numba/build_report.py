@@ -147,7 +147,8 @@ class Build:
 
 
 def compile_kernel(kernel, signature, cc, cuda_sources=()) -> Build:
-    """Compile one kernel for ``sm_XY`` and link it, no GPU needed.
+    """Compile one kernel for ``sm_XY`` and link it, no GPU needed: a :class:`Build` (its
+    ``ptx`` is ``None`` for a kernel that links CUDA C++).
 
     Plain numba kernels: PTX by numba-cuda, linked by nvJitLink. Kernels that call CUDA C++
     (``cuda_sources``, the tensor-core wrappers): LTO-IR of the kernel by numba-cuda and of the

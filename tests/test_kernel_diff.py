@@ -7,6 +7,7 @@ needed) in a subprocess, as ``test_build_report.py`` does.
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -38,6 +39,20 @@ def test_normalize_ptx_equates_numbas_per_compilation_names():
     assert kernel_diff.normalize_ptx(first) != kernel_diff.normalize_ptx(third)
 
 
+def test_normalize_ptx_keeps_two_shared_arrays_apart():
+    """Names are renumbered in the order they first appear, not made one: a read of another
+    shared array of the same size is still a difference."""
+    two = textwrap.dedent("""\
+        .shared .align 4 .b8 _cudapy_smem_1[1024];
+        .shared .align 4 .b8 _cudapy_smem_2[1024];
+        \tld.shared.b32 \t%r4, [_cudapy_smem_1+28];
+        """)
+    other_array = two.replace("[_cudapy_smem_1+28]", "[_cudapy_smem_2+28]")
+    renumbered = two.replace("_smem_1", "_smem_8").replace("_smem_2", "_smem_9")
+    assert kernel_diff.normalize_ptx(two) != kernel_diff.normalize_ptx(other_array)
+    assert kernel_diff.normalize_ptx(two) == kernel_diff.normalize_ptx(renumbered)
+
+
 SASS = textwrap.dedent("""\
         .text.kernel:
         /*0000*/                   LDC R1, c[0x0][0x28] ;
@@ -51,16 +66,19 @@ SASS = textwrap.dedent("""\
 def test_sass_opcodes_and_addresses():
     report = kernel_diff.load_build_report()
     assert report.sass_opcodes(SASS) == ["LDC", "BRA", "LDS", "ISETP", "EXIT"]
-    moved = SASS.replace("/*0020*/", "/*0030*/").replace("/*0030*/              @P1",
-                                                         "/*0040*/              @P1")
+    # every instruction one slot later, as after an instruction inserted before them
+    moved = re.sub(r"/\*([0-9a-f]{4})\*/", lambda m: f"/*{int(m.group(1), 16) + 16:04x}*/", SASS)
+    assert moved != SASS
     assert kernel_diff.normalize_sass(SASS) == kernel_diff.normalize_sass(moved)
     assert len(kernel_diff.normalize_sass(SASS)) == 5
 
 
-def row(registers=40, opcodes=None, ptx=("a", "b", "c"), **extra):
+OPCODES = {"FFMA": 4, "LDS": 2}
+
+
+def row(registers=40, opcodes=OPCODES, ptx=("a", "b", "c"), **extra):
     return {"seconds": 1.0, "registers": registers, "spill": 0, "stack": 0, "shared": 0,
-            "opcodes": opcodes or {"FFMA": 4, "LDS": 2},
-            "ptx": None if ptx is None else list(ptx), **extra}
+            "opcodes": opcodes, "ptx": None if ptx is None else list(ptx), **extra}
 
 
 def test_compare_names_what_changed():
@@ -71,8 +89,9 @@ def test_compare_names_what_changed():
            "k linked": row(ptx=None), "k new": row()}
     lines = kernel_diff.compare(old, new)
     text = "\n".join(lines)
-    same = next(line for line in lines if line.startswith("k same:"))
-    assert "PTX same" in same and "->" not in same.split("s,", 1)[1]
+    same = lines.index(next(line for line in lines if line.startswith("k same:")))
+    assert "PTX same" in lines[same] and "->" not in lines[same].split("s,", 1)[1]
+    assert not lines[same + 1].startswith("    ")      # no instruction or opcode changes
     changed = next(line for line in lines if line.startswith("k changed:"))
     assert "registers 40 -> 48" in changed and "SASS 6 -> 8" in changed
     assert "PTX -1 +2 lines" in changed and "shared 0 -> 2048 B" in changed
@@ -80,11 +99,14 @@ def test_compare_names_what_changed():
     assert "    PTX instructions: b -1, d +1, x +1" in lines   # the fake lines are opcodes
     assert "k gone: only in old" in lines and "k new: only in new" in lines
     assert "PTX not compared (links CUDA C++)" in text
+    no_sass = kernel_diff.compare({"k": row()}, {"k": row(opcodes=None)})
+    assert "SASS not read (no nvdisasm)" in no_sass[0] and len(no_sass) == 1
 
 
 def test_ptx_opcodes_skip_directives_labels_and_guards():
-    lines = [".reg .pred %p<4>;", "{", "$L__BB0_2:", "\t@%p1 bra \t$L__BB0_4;",
-             "\tsetp.lt.s32 \t%p1, %r2, %r3;", "\tret;", "}", "// a comment"]
+    lines = [".visible .entry _Z1k(", ".param .u64 _Z1k_param_0", ")", ".reg .pred %p<4>;",
+             "{", "$L__BB0_2:", "\t@%p1 bra \t$L__BB0_4;", "\tsetp.lt.s32 \t%p1, %r2, %r3;",
+             "\tret;", "}", "// a comment"]
     assert kernel_diff.ptx_opcodes(lines) == ["bra", "setp.lt.s32", "ret"]
 
 
@@ -93,35 +115,45 @@ def test_changed_lines_counts_both_sides():
     assert kernel_diff.changed_lines(["a", "b", "c"], ["a", "c", "d", "e"]) == (1, 2)
 
 
-def run_tool(*args, timeout=60):
+def run_tool(*args, timeout=60, cwd=ROOT):
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
-    return subprocess.run([sys.executable, TOOL, *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, TOOL, *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("args, said", [
     (["no-such-revision-xyz", "."], "no-such-revision-xyz: expected a directory"),
-    ([".", ".", "--cc", "12"], "expected a compute capability like 12.0, got '12'"),
+    ([".", ".", "--cc", "12"], "--cc: expected MAJOR.MINOR such as 12.0, got '12'"),
+    ([".", ".", "--cc", "9.9"], "--cc: expected one of 12.0, "),
+    (["."], "the following arguments are required: new"),
     ([".", ".", "--match", "no stage is called this"], "no specialisation matches"),
 ])
 def test_bad_arguments_say_one_line_and_exit_2(args, said):
     result = run_tool(*args)
     assert result.returncode == 2, result.stderr
-    assert said in result.stderr and "Traceback" not in result.stderr
+    assert said in result.stderr and len(result.stderr.splitlines()) == 1, result.stderr
+
+
+def test_a_revision_is_checked_out(tmp_path):
+    """A side given as a revision is this repository's package at that revision."""
+    tree = kernel_diff.checkout("HEAD", tmp_path / "old")
+    assert tree == tmp_path / "old"
+    assert (tree / "ddtree_numba" / "kernels" / "commit_kv.py").is_file()
 
 
 # Compiling and linking one small kernel per checkout: a few seconds; the hang guard is wide.
 def test_same_checkout_compiles_to_the_same_code(tmp_path):
-    result = run_tool(".", ".", "--match", "commit_kv float32", "--keep", str(tmp_path),
-                      timeout=600)
+    # run elsewhere, with a relative --keep: the files land where the caller is
+    result = run_tool(ROOT, ROOT, "--match", "commit_kv float32", "--keep", "kept",
+                      timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     (line,) = [x for x in result.stdout.splitlines() if x.startswith("commit_kv float32 cache:")]
-    assert "PTX same" in line and "registers" in line
+    assert "PTX same" in line and "registers" in line and "SASS " in line
     assert "->" not in line.split(" s, ", 1)[1]          # only the compile time may differ
     assert "opcodes:" not in result.stdout and "PTX instructions" not in result.stdout
     for suffix in ("ptx", "sass"):
-        old = (tmp_path / "old" / f"commit_kv_float32_cache.{suffix}").read_text()
-        new = (tmp_path / "new" / f"commit_kv_float32_cache.{suffix}").read_text()
+        old = (tmp_path / "kept" / "old" / f"commit_kv_float32_cache.{suffix}").read_text()
+        new = (tmp_path / "kept" / "new" / f"commit_kv_float32_cache.{suffix}").read_text()
         assert old == new and len(old.splitlines()) > 100
 
 

@@ -2,14 +2,16 @@
 
     python tools/kernel_diff.py OLD NEW [--cc 12.0] [--match TEXT ...] [--keep DIR]
 
-``OLD`` and ``NEW`` are each a git revision of this repository (``e1ca0a4``, ``HEAD~2``) or a
-directory that holds a ``ddtree_numba`` package (``.`` is the working tree). Every kernel
+``OLD`` and ``NEW`` are each a directory that holds a ``ddtree_numba`` package (relative to the
+current directory: ``.`` is the working tree when run from the repository's root) or else a git
+revision of the repository this tool is in (``e1ca0a4``, ``HEAD~2``). Every kernel
 specialisation of the build report (``build_specs()`` of the kernel modules) whose
 ``"stage variant"`` contains one of the ``--match`` texts is compiled in both checkouts for
 ``sm_XY`` on this machine, no GPU needed, and the tool prints, old -> new:
 
 * compile seconds (numba's front end, NVVM and nvJitLink together; one CPU core each);
-* registers, spill bytes, stack frame and static shared memory (ptxas' report);
+* registers, spill bytes (stores plus loads), stack frame and static shared memory (ptxas'
+  report);
 * SASS instructions (``nvdisasm``) and the opcodes whose counts changed;
 * whether the PTX is the same once numba's per-compilation names are normalised
   (:func:`normalize_ptx`), and otherwise how many lines differ and which PTX instructions
@@ -18,7 +20,8 @@ specialisation of the build report (``build_specs()`` of the kernel modules) who
 A change meant to leave the generated code alone (a refactor, a split into device functions)
 should print ``PTX same``; one meant to improve it shows where, opcode by opcode, before any GPU
 time is spent. ``--keep DIR`` writes each kernel's normalised PTX and SASS under ``DIR/old`` and
-``DIR/new`` for ``diff -u``. Bad arguments print one line and exit 2.
+``DIR/new`` for ``diff -u``. Bad arguments print one line and exit 2; a checkout that fails to
+compile exits 1 after its error.
 
 The two checkouts compile in two processes side by side, each with its own ``ddtree_numba`` on
 ``sys.path``. The compiling and linking is this checkout's ``build_report.compile_kernel``
@@ -45,33 +48,43 @@ REPO = Path(__file__).resolve().parent.parent
 BUILD_REPORT = REPO / "ddtree_numba" / "build_report.py"
 
 # numba names every compiled function with a per-process counter (``...kernelB2v1B102cw5...``:
-# ``v1`` is the counter) and numbers shared arrays as it meets them (``_cudapy_smem_3``); two
-# builds of the same source differ only there. NVVM's header comments name the compiler build.
-PTX_NAMES = ((re.compile(r"B\d+v\d+B"), "BvB"), (re.compile(r"_cudapy_smem_\d+"), "_cudapy_smem"))
+# ``v1`` is the counter) and numbers shared arrays with another (``_cudapy_smem_3``); two builds
+# of the same source differ only there. Each is renumbered in the order the PTX first names it,
+# so that equal code compares equal and a read of another array still differs. NVVM's header
+# comments name the compiler build.
+PTX_NAMES = ((re.compile(r"B\d+v\d+B"), "B{}B"),
+             (re.compile(r"_cudapy_smem_\d+"), "_cudapy_smem_{}"))
 SASS_ADDRESS = re.compile(r"/\*[0-9a-f]{4,}\*/")
 
 
 def normalize_ptx(ptx: str) -> list:
-    """The PTX's lines without comments, with numba's per-compilation names made equal."""
+    """The PTX's lines without comments, numba's per-compilation names renumbered from 0 in
+    the order they first appear (:data:`PTX_NAMES`)."""
+    renamed = [{} for _ in PTX_NAMES]        # per kind of name: old name -> new one
+
+    def rename(names, form):
+        return lambda match: names.setdefault(match.group(0), form.format(len(names)))
+
     lines = []
     for line in ptx.splitlines():
         if line.lstrip().startswith("//"):
             continue
-        for pattern, replacement in PTX_NAMES:
-            line = pattern.sub(replacement, line)
+        for (pattern, form), names in zip(PTX_NAMES, renamed, strict=True):
+            line = pattern.sub(rename(names, form), line)
         lines.append(line.rstrip())
     return lines
 
 
 def ptx_opcodes(lines: list) -> list:
     """The opcode, modifiers included (``setp.lt.s32``), of every PTX instruction; directives,
-    labels and braces are not instructions, and a guard (``@%p1``) is left out."""
+    labels, braces and parameter lists are not instructions, and a guard (``@%p1``) is left
+    out."""
     ops = []
     for line in lines:
         words = line.split()
         if words and words[0].startswith("@"):
             words = words[1:]
-        if not words or words[0][0] in ".{}$/" or words[0].endswith(":"):
+        if not words or not words[0][0].isalpha() or words[0].endswith(":"):
             continue
         ops.append(words[0].rstrip(";"))
     return ops
@@ -126,20 +139,24 @@ def build_rows(cc: tuple, matches: list, keep: str | None) -> dict:
         if matches and not any(m in key for m in matches):
             continue
         start = time.perf_counter()
-        build = build_report.compile_kernel(spec.kernel, spec.signature, cc, spec.cuda_sources)
+        sources = getattr(spec, "cuda_sources", ())     # (specs before 2026-12-01 lack it)
+        build = build_report.compile_kernel(spec.kernel, spec.signature, cc, sources)
         seconds = time.perf_counter() - start
         resources = build_report.parse_ptxas_log(build.log, len(build.cubin))
-        sass = build_report.sass_text(build.cubin) or ""
+        sass = build_report.sass_text(build.cubin)     # None: no nvdisasm to read it
         ptx = normalize_ptx(build.ptx) if build.ptx is not None else None
         if keep:
             Path(keep).mkdir(parents=True, exist_ok=True)
             if ptx is not None:
                 (Path(keep) / f"{slug(key)}.ptx").write_text("\n".join(ptx) + "\n")
-            (Path(keep) / f"{slug(key)}.sass").write_text("\n".join(normalize_sass(sass)) + "\n")
+            if sass is not None:
+                (Path(keep) / f"{slug(key)}.sass").write_text(
+                    "\n".join(normalize_sass(sass)) + "\n")
         rows[key] = {"seconds": seconds, "registers": resources.registers,
                      "spill": resources.spill_stores + resources.spill_loads,
                      "stack": resources.stack, "shared": resources.shared,
-                     "opcodes": dict(collections.Counter(build_report.sass_opcodes(sass))),
+                     "opcodes": None if sass is None else
+                     dict(collections.Counter(build_report.sass_opcodes(sass))),
                      "ptx": ptx}
     return rows
 
@@ -163,38 +180,43 @@ def opcode_changes(old: dict, new: dict, most: int = 12) -> str:
 
 
 def compare(old_rows: dict, new_rows: dict) -> list:
-    """The report's lines: one per kernel in either checkout, then its opcode changes."""
-    def pair(a, b, fmt="{}"):
-        return fmt.format(a) if a == b else f"{fmt.format(a)} -> {fmt.format(b)}"
+    """The report's lines: one per kernel in either checkout, then what changed in its PTX
+    instructions and SASS opcodes, when anything did."""
+    def pair(a, b):
+        return f"{a}" if a == b else f"{a} -> {b}"
 
     lines = []
-    for key in list(dict.fromkeys([*old_rows, *new_rows])):
+    for key in dict.fromkeys([*old_rows, *new_rows]):
         if key not in old_rows or key not in new_rows:
             lines.append(f"{key}: only in {'new' if key in new_rows else 'old'}")
             continue
         a, b = old_rows[key], new_rows[key]
+        details = []
         if a["ptx"] is None or b["ptx"] is None:
             ptx = "PTX not compared (links CUDA C++)"
         else:
             removed, added = changed_lines(a["ptx"], b["ptx"])
             ptx = "PTX same" if not removed + added else f"PTX -{removed} +{added} lines"
-            # one more instruction renumbers PTX's virtual registers from there on, so the
-            # line count overstates a change: the instruction counts say what it is
-            ptx_ops = opcode_changes(*(collections.Counter(ptx_opcodes(x["ptx"]))
-                                       for x in (a, b)))
-        size_a, size_b = sum(a["opcodes"].values()), sum(b["opcodes"].values())
+            if removed + added:
+                # one more instruction renumbers PTX's virtual registers from there on, so
+                # the line count overstates a change: the instruction counts say what it is
+                counts = [collections.Counter(ptx_opcodes(x["ptx"])) for x in (a, b)]
+                details.append(f"    PTX instructions: "
+                               f"{opcode_changes(*counts) or 'the same counts'}")
+        if a["opcodes"] is None or b["opcodes"] is None:
+            sass = "SASS not read (no nvdisasm)"
+        else:
+            sass = f"SASS {pair(sum(a['opcodes'].values()), sum(b['opcodes'].values()))}"
+            changes = opcode_changes(a["opcodes"], b["opcodes"])
+            if changes:
+                details.append(f"    SASS opcodes: {changes}")
         parts = [f"compile {a['seconds']:.1f} -> {b['seconds']:.1f} s",
-                 f"registers {pair(a['registers'], b['registers'])}",
-                 f"SASS {pair(size_a, size_b)}", ptx]
-        for name, unit in (("spill", " B"), ("stack", " B"), ("shared", " B")):
+                 f"registers {pair(a['registers'], b['registers'])}", sass, ptx]
+        for name in ("spill", "stack", "shared"):
             if a[name] or b[name]:
-                parts.append(f"{name} {pair(a[name], b[name])}{unit}")
+                parts.append(f"{name} {pair(a[name], b[name])} B")
         lines.append(f"{key}: " + ", ".join(parts))
-        if a["ptx"] is not None and b["ptx"] is not None and ptx != "PTX same":
-            lines.append(f"    PTX instructions: {ptx_ops or 'the same counts'}")
-        changes = opcode_changes(a["opcodes"], b["opcodes"])
-        if changes:
-            lines.append(f"    SASS opcodes: {changes}")
+        lines += details
     return lines
 
 
@@ -215,9 +237,16 @@ def checkout(source: str, into: Path) -> Path:
     return into
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with each error on one line (no usage block), as the package's command line."""
+
+    def error(self, message):
+        self.exit(2, f"kernel_diff: error: {message.removeprefix('argument ')}\n")
+
+
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("old", help="a git revision or a directory holding ddtree_numba/")
+    parser = Parser(prog="kernel_diff", description=__doc__.split("\n\n")[0])
+    parser.add_argument("old", help="a directory holding ddtree_numba/ or a git revision")
     parser.add_argument("new", help="likewise, e.g. . for the working tree")
     parser.add_argument("--cc", default="12.0", help="target compute capability (12.0)")
     parser.add_argument("--match", action="append", default=[],
@@ -225,8 +254,10 @@ def parse_args(argv):
                              "text (repeatable; default: every one, which takes long)")
     parser.add_argument("--keep", help="write normalised PTX and SASS under KEEP/old, KEEP/new")
     args = parser.parse_args(argv)
-    if not re.fullmatch(r"\d+\.\d+", args.cc):
-        parser.error(f"argument --cc: expected a compute capability like 12.0, got {args.cc!r}")
+    try:
+        load_build_report().parse_cc(args.cc)       # one of the targets the report knows
+    except ValueError as error:
+        parser.error(str(error))
     return args
 
 
@@ -244,13 +275,22 @@ def main(argv=None) -> int:
             return 2
         processes = []
         for tree, side in zip(trees, ("old", "new"), strict=True):
-            keep = str(Path(args.keep) / side) if args.keep else ""
-            env = {**os.environ, "PYTHONPATH": str(tree), "DDTREE_BACKEND": "gpu",
+            # (the workers run in the temporary directory: a relative --keep is made absolute)
+            keep = str(Path(args.keep).resolve() / side) if args.keep else ""
+            path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
+            env = {**os.environ, "PYTHONPATH": path, "DDTREE_BACKEND": "gpu",
                    "NUMBA_ENABLE_CUDASIM": "0"}
             command = [sys.executable, __file__, "--worker", f"{tmp}/{side}.json", args.cc,
                        keep, *args.match]
             processes.append(subprocess.Popen(command, cwd=tmp, env=env))
-        if any(p.wait() for p in processes):
+        # the first failure stops the other worker; both end before their directory goes
+        failed = False
+        for process in processes:
+            if process.wait() and not failed:
+                failed = True
+                for other in processes:
+                    other.kill()
+        if failed:
             print("kernel_diff: a checkout failed to compile (its error is above)",
                   file=sys.stderr)
             return 1
