@@ -15,6 +15,7 @@ import os
 import sys
 
 from . import __version__
+from ._cli import Parser
 from ._platform import choose_backend, collect_less_often
 from .limits import MAX_BATCH, MAX_BUDGET, MAX_DEPTH, MAX_K, MAX_VOCAB
 
@@ -27,14 +28,6 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 class CommandError(Exception):
     """A problem with what the user asked for: reported as one line, exit status 2."""
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse, with each error on one line (no usage block): ``PROG: error: --opt: ...``."""
-
-    def error(self, message):
-        message = message.removeprefix("argument ")
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def int_in(low: int, high: int):

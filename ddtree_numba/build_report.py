@@ -196,18 +196,6 @@ def compile_kernel(kernel, signature, cc, cuda_sources=()) -> Build:
     return Build(ptx, log.decode(errors="replace"), bytes(cubin))
 
 
-def link_kernel(kernel, signature, cc, cuda_sources=()) -> tuple:
-    """``(ptxas log, cubin)`` of one kernel for ``sm_XY`` (:func:`compile_kernel`)."""
-    build = compile_kernel(kernel, signature, cc, cuda_sources)
-    return build.log, build.cubin
-
-
-def compile_resources(kernel, signature, cc, cuda_sources=()) -> Resources:
-    """ptxas' resource report of one kernel for ``sm_XY`` (:func:`link_kernel`)."""
-    log, cubin = link_kernel(kernel, signature, cc, cuda_sources)
-    return parse_ptxas_log(log, len(cubin))
-
-
 def format_sass_notes(rows) -> list:
     """One line per kernel that links CUDA C++: what its SASS holds (``sass_counts``)."""
     lines = []
@@ -332,15 +320,15 @@ def report_row(spec, cc) -> dict:
            "fast": spec.fast, "threads": spec.threads}
     limits = ARCH_LIMITS[cc]
     try:
-        log, cubin = link_kernel(spec.kernel, spec.signature, cc, spec.cuda_sources)
-        res = parse_ptxas_log(log, len(cubin))
+        build = compile_kernel(spec.kernel, spec.signature, cc, spec.cuda_sources)
+        res = parse_ptxas_log(build.log, len(build.cubin))
     except Exception as error:  # ptxas refuses e.g. more than 48 KiB of static shared memory
         message = " ".join(str(error).split())
         if len(message) > 600:                  # kernels' mangled names are long: both ends
             message = message[:300] + " ... " + message[-300:]
         return {**row, "problems": [f"does not build for sm_{cc[0]}{cc[1]}: {message}"]}
     if spec.cuda_sources:       # tensor-core kernels: HMMA present, no CALL into the wrappers
-        row["sass"] = sass_counts(cubin)
+        row["sass"] = sass_counts(build.cubin)
     problems = check_resources(spec, res, limits)
     # the report's shared memory and occupancy: static plus what the launch adds dynamically
     res = replace(res, shared=res.shared + spec.dynamic_shared)

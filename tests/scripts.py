@@ -23,3 +23,9 @@ def run(args, *, cwd=None, timeout=300, **env) -> subprocess.CompletedProcess:
     """``python ARGS...`` in a fresh interpreter with :func:`clean_env` (``env`` added)."""
     return subprocess.run([sys.executable, *args], cwd=cwd, env=clean_env(**env),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def run_real_target(args, *, cwd=None, timeout=300) -> subprocess.CompletedProcess:
+    """:func:`run` on numba's real CUDA target even where CI has no GPU
+    (``NUMBA_ENABLE_CUDASIM=0``): compiling PTX and linking for an ``sm_XY`` needs no device."""
+    return run(args, cwd=cwd, timeout=timeout, NUMBA_ENABLE_CUDASIM="0")

@@ -10,14 +10,10 @@ covers sm_90 too, the H200's, whose every kernel the GPU suite also launches.
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
+from scripts import ROOT, run_real_target
 
 # A hang guard, not a speed limit: the report for one target (59 compilations) takes about 12
 # CPU minutes, most of it numba inlining device functions (docs/sm120.md); beside the other
@@ -27,12 +23,11 @@ REPORT_TIMEOUT_S = 1500
 TARGETS = ("12.0", "9.0") if os.environ.get("DDTREE_GPU", "0") == "1" else ("12.0",)
 
 
-def run_real_target(args, code=None):
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
-    command = [sys.executable, "-c", code] if code else [sys.executable, "-m", "ddtree_numba",
-                                                         *args]
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=REPORT_TIMEOUT_S)
+def run_report(args, code=None):
+    """``python -m ddtree_numba ARGS...``, or ``python -c CODE ARGS...``, on the real CUDA
+    target."""
+    command = ["-c", code, *args] if code else ["-m", "ddtree_numba", *args]
+    return run_real_target(command, cwd=ROOT, timeout=REPORT_TIMEOUT_S)
 
 
 # One test reads the whole report, so that pytest-xdist runs its fixture (minutes of compiling)
@@ -41,8 +36,7 @@ def run_real_target(args, code=None):
 # each compiled the whole report). The tensor-core test compiles its own three kernels.
 @pytest.fixture(scope="module")
 def report_rows():
-    done = run_real_target(["build-report", *(f"--cc={cc}" for cc in TARGETS), "--json",
-                            "--strict"])
+    done = run_report(["build-report", *(f"--cc={cc}" for cc in TARGETS), "--json", "--strict"])
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     rows = json.loads(done.stdout)                 # stdout: the JSON alone
     total = len(rows)                               # progress on stderr, one line each
@@ -80,7 +74,7 @@ def test_a_kernel_linked_twice_reports_the_same_figures():
         spec = next(s for s in kernel_specs() if (s.stage, s.variant) == ("step", "advance"))
         print(json.dumps([report_row(spec, (9, 0)), report_row(spec, (9, 0))]))
     """)
-    done = run_real_target([], code)
+    done = run_report([], code)
     assert done.returncode == 0, done.stderr[-4000:]
     first, second = json.loads(done.stdout)
     assert first["problems"] == [] and first["registers"] > 0
@@ -102,9 +96,7 @@ def test_tensor_core_kernels_link_their_wrappers_away():
     (the float32 division's slow path of ``1 / l`` and of the fused merge, after the tile
     loop; which side of the loop a CALL sits on is read from the SASS by hand, see
     kernels/verify_attn/mma.py). nvdisasm comes from the test extra."""
-    command = [sys.executable, "-c", TENSOR_CORE_ROWS, *TARGETS]
-    done = subprocess.run(command, cwd=ROOT, env={**os.environ, "NUMBA_ENABLE_CUDASIM": "0"},
-                          capture_output=True, text=True, timeout=REPORT_TIMEOUT_S)
+    done = run_report(TARGETS, TENSOR_CORE_ROWS)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads(done.stdout)
     assert {(r["cc"], r["variant"]) for r in rows} == {
@@ -149,7 +141,7 @@ BAD_KERNELS = textwrap.dedent('''
 
 
 def test_check_catches_oversized_and_local_memory_variants():
-    done = run_real_target(None, BAD_KERNELS)
+    done = run_report([], BAD_KERNELS)
     assert done.returncode == 0, done.stderr[-4000:]
     oversized, local_fast, local_slow = json.loads(done.stdout.strip().splitlines()[-1])
     assert oversized and "shared" in " ".join(oversized).lower(), oversized
@@ -158,6 +150,6 @@ def test_check_catches_oversized_and_local_memory_variants():
 
 
 def test_unknown_target_is_a_clear_error():
-    done = run_real_target(["build-report", "--cc", "7.5"])
+    done = run_report(["build-report", "--cc", "7.5"])
     assert done.returncode == 2
     assert "--cc: expected one of 12.0, 9.0, 8.9, 8.0, got 7.5" in done.stderr

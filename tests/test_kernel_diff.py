@@ -8,13 +8,11 @@ needed) in a subprocess, as ``test_build_report.py`` does.
 import importlib.util
 import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from scripts import ROOT, run_real_target
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "kernel_diff.py")
 
 spec = importlib.util.spec_from_file_location("kernel_diff", TOOL)
@@ -64,7 +62,7 @@ SASS = textwrap.dedent("""\
 
 
 def test_sass_opcodes_and_addresses():
-    report = kernel_diff.load_build_report()
+    report = kernel_diff.load_module(kernel_diff.BUILD_REPORT)
     assert report.sass_opcodes(SASS) == ["LDC", "BRA", "LDS", "ISETP", "EXIT"]
     # every instruction one slot later, as after an instruction inserted before them
     moved = re.sub(r"/\*([0-9a-f]{4})\*/", lambda m: f"/*{int(m.group(1), 16) + 16:04x}*/", SASS)
@@ -116,9 +114,7 @@ def test_changed_lines_counts_both_sides():
 
 
 def run_tool(*args, timeout=60, cwd=ROOT):
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0"}
-    return subprocess.run([sys.executable, TOOL, *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_real_target([TOOL, *args], cwd=cwd, timeout=timeout)
 
 
 @pytest.mark.parametrize("args, said", [
@@ -173,7 +169,5 @@ def test_two_compilations_in_one_process_normalise_equal():
         assert kd.normalize_ptx(a) == kd.normalize_ptx(b)
         print("ok")
     """)
-    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "0", "DDTREE_BACKEND": "gpu"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)
+    result = run_real_target(["-c", code], cwd=ROOT, timeout=600)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -31,7 +31,6 @@ specialisations the compared checkout lists.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import difflib
 import importlib.util
@@ -46,6 +45,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_REPORT = REPO / "ddtree_numba" / "build_report.py"
+CLI = REPO / "ddtree_numba" / "_cli.py"
 
 # numba names every compiled function with a per-process counter (``...kernelB2v1B102cw5...``:
 # ``v1`` is the counter) and numbers shared arrays with another (``_cudapy_smem_3``); two builds
@@ -114,10 +114,11 @@ def slug(key: str) -> str:
 
 # --- the worker: one checkout, in its own process -----------------------------------------------
 
-def load_build_report():
-    """This checkout's ``build_report`` module, loaded from its file under its own name, so
-    that ``import ddtree_numba`` inside it finds the compared checkout on ``sys.path``."""
-    spec = importlib.util.spec_from_file_location("kernel_diff_build_report", BUILD_REPORT)
+def load_module(path: Path):
+    """One of this checkout's modules, loaded from its file under its own name
+    (``kernel_diff_<stem>``): ``import ddtree_numba`` inside it finds the compared checkout on
+    ``sys.path``, and the main process never imports the package."""
+    spec = importlib.util.spec_from_file_location(f"kernel_diff_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module         # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -126,7 +127,7 @@ def load_build_report():
 
 def build_rows(cc: tuple, matches: list, keep: str | None) -> dict:
     """Compile every matching specialisation of the ``ddtree_numba`` on ``sys.path``."""
-    build_report = load_build_report()
+    build_report = load_module(BUILD_REPORT)
     try:        # fewer full collections while compiling (docs/sm120.md); old checkouts lack it
         from ddtree_numba._platform import collect_less_often
 
@@ -237,15 +238,8 @@ def checkout(source: str, into: Path) -> Path:
     return into
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse with each error on one line (no usage block), as the package's command line."""
-
-    def error(self, message):
-        self.exit(2, f"kernel_diff: error: {message.removeprefix('argument ')}\n")
-
-
 def parse_args(argv):
-    parser = Parser(prog="kernel_diff", description=__doc__.split("\n\n")[0])
+    parser = load_module(CLI).Parser(prog="kernel_diff", description=__doc__.split("\n\n")[0])
     parser.add_argument("old", help="a directory holding ddtree_numba/ or a git revision")
     parser.add_argument("new", help="likewise, e.g. . for the working tree")
     parser.add_argument("--cc", default="12.0", help="target compute capability (12.0)")
@@ -255,7 +249,7 @@ def parse_args(argv):
     parser.add_argument("--keep", help="write normalised PTX and SASS under KEEP/old, KEEP/new")
     args = parser.parse_args(argv)
     try:
-        load_build_report().parse_cc(args.cc)       # one of the targets the report knows
+        load_module(BUILD_REPORT).parse_cc(args.cc)     # one of the targets the report knows
     except ValueError as error:
         parser.error(str(error))
     return args
