@@ -1,8 +1,9 @@
 """tools/kernel_diff.py: the PTX and SASS comparison of two checkouts' kernels.
 
 The pure parts (normalising numba's names, reading nvdisasm's opcodes, the report's lines) are
-tested on text; one test compiles a small kernel on the real target (NVVM and nvJitLink, no GPU
-needed) in a subprocess, as ``test_build_report.py`` does.
+tested on text; two tests compile ``commit_kv`` on the real target (NVVM and nvJitLink, no GPU
+needed) in a subprocess, as ``test_build_report.py`` does: twice in one process, and through
+the tool end to end.
 """
 
 import importlib.util
