@@ -10,6 +10,7 @@ import importlib.util
 import os
 import re
 import textwrap
+import time
 
 import pytest
 from scripts import ROOT, run_real_target
@@ -152,6 +153,21 @@ def test_same_checkout_compiles_to_the_same_code(tmp_path):
         old = (tmp_path / "kept" / "old" / f"commit_kv_float32_cache.{suffix}").read_text()
         new = (tmp_path / "kept" / "new" / f"commit_kv_float32_cache.{suffix}").read_text()
         assert old == new and len(old.splitlines()) > 100
+
+
+def test_a_checkout_that_fails_stops_the_other(tmp_path):
+    """The new side fails at once while the old one would compile: the tool says so and exits
+    1 without waiting for the old side to finish all its kernels (every one matched)."""
+    broken = tmp_path / "broken" / "ddtree_numba"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise RuntimeError('this checkout does not import')\n")
+    start = time.perf_counter()
+    result = run_tool(ROOT, str(broken.parent), timeout=600)
+    assert result.returncode == 1, result.stderr
+    assert "this checkout does not import" in result.stderr
+    assert "a checkout failed to compile" in result.stderr.splitlines()[-1]
+    # the old side alone takes many minutes for every kernel; stopped, a few seconds
+    assert time.perf_counter() - start < 120
 
 
 def test_two_compilations_in_one_process_normalise_equal():

@@ -277,13 +277,16 @@ def main(argv=None) -> int:
             command = [sys.executable, __file__, "--worker", f"{tmp}/{side}.json", args.cc,
                        keep, *args.match]
             processes.append(subprocess.Popen(command, cwd=tmp, env=env))
-        # the first failure stops the other worker; both end before their directory goes
-        failed = False
+        # a failure in either worker stops the other at once (polled: the one that fails may
+        # be either); both end before their directory goes
+        while (not any(p.poll() for p in processes)          # None: running; 0: done
+               and any(p.poll() is None for p in processes)):
+            time.sleep(0.2)
+        failed = any(p.poll() for p in processes)
         for process in processes:
-            if process.wait() and not failed:
-                failed = True
-                for other in processes:
-                    other.kill()
+            if process.poll() is None:
+                process.kill()
+            process.wait()
         if failed:
             print("kernel_diff: a checkout failed to compile (its error is above)",
                   file=sys.stderr)
