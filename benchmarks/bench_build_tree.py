@@ -14,6 +14,12 @@ Inputs are the top-K of random drafter logits (scaled so the drafter is fairly c
   the tree's arrays host -> device), wall clock.
 * ``python_heap``: a per-request Python heap, the way published DDTree ports build the tree on
   the CPU (Python floats, heapq, a visibility mask per request), plus the same copies.
+
+``--targets``: only the four configurations that have a target (``TARGETS_US``), on the same
+inputs as the full run, with two selects (the default and the ``"warp"`` pops, the kernel the
+targets were set against) and a ``target_us`` column: it compiles a third of the full run's
+kernels, so it fits one device command on a fresh machine (``run_gpu.sh targets-tree``).
+``--quick``: one repetition of the host paths.
 """
 
 from __future__ import annotations
@@ -74,17 +80,27 @@ def same_tree(got, want) -> bool:
                for f in dataclasses.fields(want))
 
 
-def main(quick: bool = False):
-    bench = Bench("build_tree")
+# (budget, bs) -> the tree build's target, us (H200, graph replay after an L2 flush)
+TARGETS_US = {(64, 1): 10.0, (256, 1): 20.0, (256, 64): 40.0, (1024, 64): 80.0}
+
+
+def main(quick: bool = False, targets: bool = False):
+    bench = Bench("build_tree_targets" if targets else "build_tree")
     rng = np.random.default_rng(0)
     L = 15
     for budget in (64, 128, 256, 1024):
         Kk = min(budget, 1024)
+        default = "threshold" if budget >= kbt.THRESHOLD_FROM_BUDGET else "corners"
+        variants = (("warp", default) if targets
+                    else ("warp", "corners", "levels", "threshold"))
         for bs in (1, 8, 64):
+            # every configuration draws its inputs, so --targets times the full run's inputs
             x = (rng.standard_normal((bs, L, Kk + 16)) * 3).astype(np.float32)
-            lp, ids = ref.draft_topk(x, Kk)
             roots = rng.integers(0, 1000, bs).astype(np.int32)
             prefix = rng.integers(0, 4096, bs).astype(np.int32)
+            if targets and (budget, bs) not in TARGETS_US:
+                continue
+            lp, ids = ref.draft_topk(x, Kk)
             # numba views of CuPy arrays, made before capture (a CuPy array passed to a
             # numba launch is synchronised on its stream, which a capture forbids)
             d_lp, d_ids = K.as_device(cp.asarray(lp)), K.as_device(cp.asarray(ids))
@@ -99,10 +115,7 @@ def main(quick: bool = False):
             gpu = bench.time_device(launch, reps=30)
             selects = {variant: bench.time_device(
                 lambda variant=variant: kbt.launch_select(variant, d_lp, budget, out, scratch),
-                reps=30) for variant in ("warp", "corners", "levels", "threshold")}
-            warp, corners, levels = selects["warp"], selects["corners"], selects["levels"]
-            threshold = selects["threshold"]
-            default = "threshold" if budget >= kbt.THRESHOLD_FROM_BUDGET else "corners"
+                reps=30) for variant in variants}
             # each select, then the finish, against the reference: every field
             want = ref.build_tree(lp, ids, roots, budget, prefix_lens=prefix)
             exact_by_variant = {}
@@ -144,26 +157,38 @@ def main(quick: bool = False):
             np_t = bench.time_host(numpy_path, reps=reps)
             heap_t = bench.time_host(heap_path, reps=reps)
             pops = float(want.num_nodes.max() - 1)
-            bench.add(bs=bs, budget=budget, L=L, K=Kk, gpu_us=gpu["ms"] * 1e3,
-                      corners_select_us=corners["ms"] * 1e3, warp_select_us=warp["ms"] * 1e3,
-                      default_select=default,
-                      finish_us=(gpu["ms"] - selects[default]["ms"]) * 1e3,
-                      finish_rows=rows, finish_alone_us=finish_alone[rows]["ms"] * 1e3,
-                      finish32_alone_us=finish_alone[32]["ms"] * 1e3,
-                      finish_exact=finish_exact,
-                      corners_exact=exact_by_variant["corners"],
-                      levels_select_us=levels["ms"] * 1e3, levels_exact=exact_by_variant["levels"],
-                      warp_exact=exact_by_variant["warp"],
-                      threshold_select_us=threshold["ms"] * 1e3,
-                      threshold_exact=exact_by_variant["threshold"],
-                      corners_ns_per_pop=corners["ms"] * 1e6 / max(pops, 1),
-                      warp_ns_per_pop=warp["ms"] * 1e6 / max(pops, 1),
-                      gpu_us_min=gpu["ms_min"] * 1e3, host_launch_us=host["ms"] * 1e3,
-                      numpy_ref_us=np_t["ms"] * 1e3, python_heap_us=heap_t["ms"] * 1e3,
-                      speedup_vs_heap=heap_t["ms"] / gpu["ms"], bit_exact=exact,
-                      mean_nodes=float(want.num_nodes.mean()))
+
+            def select_us(variant):
+                return selects[variant]["ms"] * 1e3 if variant in selects else None
+
+            def select_exact(variant):
+                return exact_by_variant.get(variant)
+
+            row = dict(bs=bs, budget=budget, L=L, K=Kk, gpu_us=gpu["ms"] * 1e3)
+            if targets:
+                row.update(target_us=TARGETS_US[budget, bs],
+                           meets_target=gpu["ms"] * 1e3 <= TARGETS_US[budget, bs])
+            row.update(
+                corners_select_us=select_us("corners"), warp_select_us=select_us("warp"),
+                default_select=default, finish_us=gpu["ms"] * 1e3 - select_us(default),
+                finish_rows=rows, finish_alone_us=finish_alone[rows]["ms"] * 1e3,
+                finish32_alone_us=finish_alone[32]["ms"] * 1e3, finish_exact=finish_exact,
+                corners_exact=select_exact("corners"), levels_select_us=select_us("levels"),
+                levels_exact=select_exact("levels"), warp_exact=select_exact("warp"),
+                threshold_select_us=select_us("threshold"),
+                threshold_exact=select_exact("threshold"),
+                corners_ns_per_pop=(select_us("corners") * 1e3 / max(pops, 1)
+                                    if "corners" in selects else None),
+                warp_ns_per_pop=select_us("warp") * 1e3 / max(pops, 1),
+                gpu_us_min=gpu["ms_min"] * 1e3, host_launch_us=host["ms"] * 1e3,
+                numpy_ref_us=np_t["ms"] * 1e3, python_heap_us=heap_t["ms"] * 1e3,
+                speedup_vs_heap=heap_t["ms"] / gpu["ms"], bit_exact=exact,
+                mean_nodes=float(want.num_nodes.mean()))
+            bench.add(**row)
     path = bench.write_csv()
-    print_table(bench.rows, ["bs", "budget", "K", "gpu_us", "corners_select_us",
+    print_table(bench.rows, ["bs", "budget", "K", "gpu_us",
+                             *(["target_us", "meets_target"] if targets else []),
+                             "corners_select_us",
                              "warp_select_us", "levels_select_us", "threshold_select_us",
                              "corners_exact", "warp_exact", "levels_exact", "threshold_exact",
                              "default_select", "finish_us", "finish_rows", "finish_alone_us",
@@ -175,4 +200,4 @@ def main(quick: bool = False):
 
 
 if __name__ == "__main__":
-    main(quick="--quick" in sys.argv)
+    main(quick="--quick" in sys.argv, targets="--targets" in sys.argv)
