@@ -17,8 +17,9 @@ Inputs are the top-K of random drafter logits (scaled so the drafter is fairly c
 
 ``--targets``: only the four configurations that have a target (``TARGETS_US``), on the same
 inputs as the full run, with two selects (the default and the ``"warp"`` pops, the kernel the
-targets were set against) and a ``target_us`` column: it compiles a third of the full run's
-kernels, so it fits one device command on a fresh machine (``run_gpu.sh targets-tree``).
+targets were set against) and the columns ``target_us`` and ``meets_target``: it compiles 6 of
+the full run's 16 selects, which should fit one device command on a fresh machine
+(``run_gpu.sh targets-tree``; not yet run on a GPU when written).
 ``--quick``: one repetition of the host paths.
 """
 
