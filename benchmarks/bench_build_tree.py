@@ -158,29 +158,24 @@ def main(quick: bool = False, targets: bool = False):
             np_t = bench.time_host(numpy_path, reps=reps)
             heap_t = bench.time_host(heap_path, reps=reps)
             pops = float(want.num_nodes.max() - 1)
-
-            def select_us(variant):
-                return selects[variant]["ms"] * 1e3 if variant in selects else None
-
-            def select_exact(variant):
-                return exact_by_variant.get(variant)
-
+            # the selects timed, us (.get gives None for those --targets leaves out)
+            us = {variant: t["ms"] * 1e3 for variant, t in selects.items()}
             row = dict(bs=bs, budget=budget, L=L, K=Kk, gpu_us=gpu["ms"] * 1e3)
             if targets:
                 row.update(target_us=TARGETS_US[budget, bs],
                            meets_target=gpu["ms"] * 1e3 <= TARGETS_US[budget, bs])
             row.update(
-                corners_select_us=select_us("corners"), warp_select_us=select_us("warp"),
-                default_select=default, finish_us=gpu["ms"] * 1e3 - select_us(default),
+                corners_select_us=us.get("corners"), warp_select_us=us["warp"],
+                default_select=default, finish_us=gpu["ms"] * 1e3 - us[default],
                 finish_rows=rows, finish_alone_us=finish_alone[rows]["ms"] * 1e3,
                 finish32_alone_us=finish_alone[32]["ms"] * 1e3, finish_exact=finish_exact,
-                corners_exact=select_exact("corners"), levels_select_us=select_us("levels"),
-                levels_exact=select_exact("levels"), warp_exact=select_exact("warp"),
-                threshold_select_us=select_us("threshold"),
-                threshold_exact=select_exact("threshold"),
-                corners_ns_per_pop=(select_us("corners") * 1e3 / max(pops, 1)
-                                    if "corners" in selects else None),
-                warp_ns_per_pop=select_us("warp") * 1e3 / max(pops, 1),
+                corners_exact=exact_by_variant.get("corners"),
+                levels_select_us=us.get("levels"), levels_exact=exact_by_variant.get("levels"),
+                warp_exact=exact_by_variant["warp"], threshold_select_us=us.get("threshold"),
+                threshold_exact=exact_by_variant.get("threshold"),
+                corners_ns_per_pop=(us["corners"] * 1e3 / max(pops, 1) if "corners" in us
+                                    else None),
+                warp_ns_per_pop=us["warp"] * 1e3 / max(pops, 1),
                 gpu_us_min=gpu["ms_min"] * 1e3, host_launch_us=host["ms"] * 1e3,
                 numpy_ref_us=np_t["ms"] * 1e3, python_heap_us=heap_t["ms"] * 1e3,
                 speedup_vs_heap=heap_t["ms"] / gpu["ms"], bit_exact=exact,
