@@ -22,6 +22,22 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     for variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(variable, "1")
 
+if ON_GPU and "DDTREE_KERNEL_CACHE" not in os.environ:
+    # Compile each kernel once for the whole run, not once in every worker: numba's on-disk
+    # kernel cache (``DDTREE_KERNEL_CACHE``, ``ddtree_numba.kernels._device``) in a directory of
+    # this run's own, so that nothing from an earlier version of the code can load. Set here,
+    # before numba is imported, in the process that starts the ``-n`` workers; they, and the
+    # programs the tests start (examples, the CLI), inherit it. One hash seed for all of them:
+    # the cache keys of kernels that use numba's vector types depend on it.
+    import atexit
+    import shutil
+    import tempfile
+
+    _kernel_cache = tempfile.mkdtemp(prefix="ddtree-kernels-")
+    atexit.register(shutil.rmtree, _kernel_cache, ignore_errors=True)
+    os.environ.update(DDTREE_KERNEL_CACHE="1", NUMBA_CACHE_DIR=_kernel_cache)
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+
 import pytest  # noqa: E402
 
 from ddtree_numba._platform import collect_less_often  # noqa: E402
@@ -49,8 +65,27 @@ def pytest_configure(config):
         config.option.maxschedchunk = 1
 
 
+#: Tests measured to take 20 s or more on the GPU (``seconds<TAB>test id``), written by
+#: ``benchmarks/suite_timeline.py --long 20`` from a whole run.
+GPU_TEST_SECONDS = os.path.join(os.path.dirname(__file__), "tests", "gpu_test_seconds.tsv")
+
+
+def _longest_first(items) -> None:
+    """On the GPU, start the tests measured longest first (longest-processing-time order: a
+    four-minute test dealt out last would run alone at the end); the others follow in their
+    usual order. Every worker sorts the same collection the same way, as xdist requires."""
+    try:
+        with open(GPU_TEST_SECONDS) as f:
+            rows = [line.rstrip("\n").split("\t") for line in f if not line.startswith("#")]
+    except FileNotFoundError:
+        return
+    seconds = {test: float(s) for s, test in rows}
+    items.sort(key=lambda item: -seconds.get(item.nodeid, 0.0))     # a stable sort
+
+
 def pytest_collection_modifyitems(config, items):
     if ON_GPU:
+        _longest_first(items)
         return
     skip = pytest.mark.skip(reason="needs a real GPU: run with DDTREE_GPU=1")
     for item in items:

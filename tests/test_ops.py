@@ -56,6 +56,18 @@ def rng():
     return np.random.default_rng(7)
 
 
+def test_as_device_copies_a_length_one_axis_of_stride_zero():
+    """``w[None]`` has stride 0 on its new axis; numpy calls that contiguous, numba a broadcast
+    axis (a non-contiguous array, and a walk over every element to view it): as_device hands
+    numba an ordinary copy."""
+    w = np.arange(12, dtype=np.float32).reshape(3, 4)
+    assert w[None].strides[0] == 0
+    on_device = as_device(w[None])
+    assert 0 not in on_device.strides
+    assert on_device.is_c_contiguous()
+    np.testing.assert_array_equal(on_device.copy_to_host(), w[None])
+
+
 def test_embed_zeroes_padding_tokens(rng):
     table = rng.standard_normal((10, 6)).astype(np.float32)
     tokens = np.array([3, -1, 9, 0, -1], np.int32)

@@ -13,11 +13,14 @@
   (numba-cuda has no API for it; the driver attribute on the compiled function does it).
 * :func:`launch_stream` gives the stream launches go to (the default stream, or the one a
   caller set with :func:`use_stream`, e.g. a CuPy stream during CUDA-graph capture).
+* :data:`CACHE_KERNELS` (``DDTREE_KERNEL_CACHE=1``) keeps compiled kernels in numba's on-disk
+  cache, so that other processes and later runs load them instead of compiling them again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 
@@ -70,6 +73,50 @@ if SIMULATOR:
 
     _serialise_shared_allocations()
 
+#: ``DDTREE_KERNEL_CACHE=1``: every kernel of the library is compiled with ``cache=True`` and
+#: kept in numba's on-disk cache (in ``NUMBA_CACHE_DIR`` when set, else in ``__pycache__`` beside
+#: its source), so that another process, or a later run, loads it instead of compiling it again
+#: (one to four minutes for a whole step). The GPU test run turns it on with a fresh directory,
+#: so that its workers and the examples they start compile each kernel once between them.
+#: numba takes a cached kernel as fresh while the file that defines it is unchanged: after
+#: editing a device function that a kernel in another file calls, empty the directory. The
+#: tensor-core kernels are not cached (numba cannot store a kernel that links CUDA C++). A
+#: kernel's cache key includes its closure, pickled, and the pickle of numba's vector types
+#: (``float32x4``) follows Python's string hashing: processes load each other's kernels only
+#: under the same ``PYTHONHASHSEED``; with different seeds they compile their own.
+CACHE_KERNELS: bool = (not SIMULATOR
+                       and os.environ.get("DDTREE_KERNEL_CACHE", "0").strip() not in ("", "0"))
+
+
+def _serialise_cache_saves():
+    """numba's cache is not safe for processes that save different compilations of one kernel at
+    once: each reads the kernel's index, picks the first free data-file number (both pick 1),
+    and writes index and data; the last index and the last data file win, and may belong to
+    different compilations, so a later load could get the other one's code. An exclusive
+    ``flock`` on ``<index>.lock`` around the read-modify-write makes the saves take turns.
+    (Loads need no lock: index and data files are replaced whole, and a data file named in the
+    index holds that entry's code or does not exist yet, which loads as a miss.)"""
+    import fcntl
+
+    from numba.cuda.core.caching import IndexDataCacheFile
+
+    if getattr(IndexDataCacheFile.save, "_ddtree_locked", False):
+        return
+    unlocked = IndexDataCacheFile.save
+
+    def locked_save(self, key, data):
+        os.makedirs(self._cache_path, exist_ok=True)
+        with open(self._index_path + ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)        # released when the file closes
+            unlocked(self, key, data)
+
+    locked_save._ddtree_locked = True
+    IndexDataCacheFile.save = locked_save
+
+
+if CACHE_KERNELS:
+    _serialise_cache_saves()
+
 _stream_stack: list = []
 
 
@@ -90,8 +137,8 @@ def kernel_for_block(threads: int, blocks_per_sm: int = 1):
     if SIMULATOR:
         return cuda.jit
     if blocks_per_sm == 1:
-        return cuda.jit(launch_bounds=threads)
-    return cuda.jit(launch_bounds=(threads, blocks_per_sm))
+        return cuda.jit(launch_bounds=threads, cache=CACHE_KERNELS)
+    return cuda.jit(launch_bounds=(threads, blocks_per_sm), cache=CACHE_KERNELS)
 
 
 def as_device(a, *, bf16_as_bits: bool = True):
@@ -108,6 +155,14 @@ def as_device(a, *, bf16_as_bits: bool = True):
     source = array_source(a)
     if source == "numpy":
         host = np.ascontiguousarray(a)
+        if 0 in host.strides and host.size > 1:
+            # ``w[None]``: numpy calls an array whose length-1 axis has stride 0 contiguous and
+            # keeps it, numba takes a stride-0 axis for a broadcast one. Its device array would
+            # then be non-contiguous (layout "A" in every kernel it meets), and numba finds the
+            # contiguous core of a broadcast array by visiting every element in Python: about
+            # 2 s for a 1M-element weight, at the copy and at every later view of it. A copy
+            # has the ordinary strides.
+            host = host.copy()
         if host.dtype == BFLOAT16 and (bf16_as_bits or not SIMULATOR):
             # numba copies through the buffer protocol, which has no bfloat16: copy the bits
             bits = cuda.to_device(host.view(np.uint16), stream=launch_stream())

@@ -81,7 +81,15 @@ from numba import cuda, float32, int16, int32, uint32
 from ..contracts import DraftTree
 from ..limits import MAX_DEPTH, MAX_NODES, ceil_words
 from ..validation import check_build_tree, require_buffer
-from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream, resolve_variant
+from ._device import (
+    CACHE_KERNELS,
+    SIMULATOR,
+    as_device,
+    device_empty,
+    launch,
+    launch_stream,
+    resolve_variant,
+)
 from ._primitives import FULL_MASK, float_of_key, key_of_float, warp_max_u32
 from .build_tree_finish import (
     FINISH_THREADS,
@@ -106,7 +114,7 @@ NEG_INF = float32(-np.inf)
 # ------------------------------------------------------------------------------------------
 # Variant "scan": one thread per request, a linear arg-max per pop (readable, simulator-safe)
 # ------------------------------------------------------------------------------------------
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _select_scan_kernel(lp, budget, parents, depths, log_weights, next_token, next_sibling,
                         ranks, num_nodes):
     """Grid ``(bs,)``, block ``(1,)``. Writes rows ``[0, N)`` of the node table of request b."""
@@ -187,7 +195,7 @@ def _candidate_key(score):
     return key_of_float(score)
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _select_warp_kernel(lp, budget, parents, depths, log_weights, next_token, next_sibling,
                         ranks, num_nodes):
     """Grid ``(bs,)``, block ``(SELECT_THREADS,)``; warp 0 pops, all threads set up / write."""

@@ -45,7 +45,7 @@ from numba import cuda, int32, int64, uint8, uint32, uint64
 
 from ..arrays import data_address
 from ..limits import MAX_NODES
-from ._device import SIMULATOR, as_device, launch, launch_stream, sm_count
+from ._device import CACHE_KERNELS, SIMULATOR, as_device, launch, launch_stream, sm_count
 
 FINISH_ROWS = 32                    # tree rows a block of the finish kernel takes, at most
 FINISH_THREADS = 32 if SIMULATOR else 128   # the simulator runs one Python thread per thread
@@ -205,7 +205,7 @@ def write_rows(b, i0, rows, bits, row_words, tid, threads, visibility_bits, mask
         mask_bytes[g] = _mask_byte(bits, row_words, g - first, n_u)
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _finish_kernel(top_token_ids, root_token_ids, prefix_lens, has_prefix, parents, depths,
                    ranks, num_nodes, rows_per_block, token_ids, positions, visibility_bits,
                    mask_bytes, mask_words, head):

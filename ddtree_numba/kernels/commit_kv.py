@@ -40,7 +40,7 @@ from numba import cuda, int32, int64, uint32
 
 from ..limits import MAX_POSITION
 from ..validation import check_commit_kv, require_new_lengths
-from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream
+from ._device import CACHE_KERNELS, SIMULATOR, as_device, device_empty, launch, launch_stream
 
 COMMIT_THREADS = 32 if SIMULATOR else 128
 CHUNK = 8       # moves in flight per thread: k <= L <= 15 in DDTree, so one or two chunks
@@ -151,7 +151,7 @@ def valid_prefix(P, N):
     return P >= 0 and P <= MAX_POSITION - N
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _commit_kv_kernel(kv_layers, block_table, prefix_lens, accept_nodes, accept_len,
                       new_prefix_lens):
     """Column ``col`` of layer ``blockIdx.z`` of request ``blockIdx.y``'s moved rows."""

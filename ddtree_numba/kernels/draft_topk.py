@@ -69,6 +69,7 @@ from ..arrays import data_address, storage_kind
 from ..limits import MAX_K
 from ..validation import check_draft_topk, require_array, require_int
 from ._device import (
+    CACHE_KERNELS,
     SIMULATOR,
     as_device,
     device_empty,
@@ -306,7 +307,7 @@ def _make_topk_kernels(bf16: bool):
     """``(whole_row_kernel, part_kernel)`` for float32 (``bf16=False``) or bfloat16 bits."""
     _, select_top = _select_top(bf16)
 
-    @cuda.jit
+    @cuda.jit(cache=CACHE_KERNELS)
     def whole_row_kernel(logit_bits, k, top_log_probs, top_token_ids):
         """Grid ``(rows,)``, block ``(TOPK_THREADS,)``; row ``logit_bits[row, :]`` -> K
         outputs."""
@@ -320,7 +321,7 @@ def _make_topk_kernels(bf16: bool):
         lse = m + math.log(total) if m > NEG_INF else NEG_INF
         _write_top(cand, k, lse, row_id, tid, TOPK_THREADS, top_log_probs, top_token_ids)
 
-    @cuda.jit
+    @cuda.jit(cache=CACHE_KERNELS)
     def part_kernel(logit_bits, k, chunk, part_keys, part_max, part_sum):
         """Grid ``(rows, parts)``: block ``(row, p)`` selects in ``row[p * chunk:(p + 1) *
         chunk]`` and writes its best ``k`` packed candidates (``0``, below every real key,
@@ -602,7 +603,7 @@ def merge_parts(part_keys, part_max, part_sum, row_id, k, lists, stats, tid, T, 
     _write_top(lists, k, stats[0], row_id, tid, T, top_log_probs, top_token_ids)
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _merge_kernel(part_keys, part_max, part_sum, k, top_log_probs, top_token_ids):
     """Grid ``(rows,)``, block ``(TOPK_THREADS,)``: ``merge_parts`` for each row (the second
     launch of a split row in the two-pass and one-pass variants)."""

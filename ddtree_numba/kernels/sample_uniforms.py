@@ -28,7 +28,7 @@ from ..reference.sample_uniforms import (
     STREAM_NODE,
 )
 from ..validation import check_sample_uniforms, require_array
-from ._device import as_device, device_empty, launch, launch_stream
+from ._device import CACHE_KERNELS, as_device, device_empty, launch, launch_stream
 
 UNIFORM_THREADS = 128
 _M0, _M1 = np.uint64(PHILOX_M0), np.uint64(PHILOX_M1)
@@ -53,7 +53,7 @@ def philox_uniform(c0, c1, c2, c3, k0, k1):
     return float32(c0 >> _SHIFT8) * _UNIT
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _uniforms_kernel(prefix_lens, key0, key1, uniforms, bonus):
     t = cuda.grid(1)
     bs, N = uniforms.shape

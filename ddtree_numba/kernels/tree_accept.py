@@ -42,7 +42,7 @@ from numba import cuda, int32, int64, uint32, uint64
 from ..contracts import AcceptResult
 from ..limits import MAX_NODES
 from ..validation import check_tree_accept, require_buffer
-from ._device import SIMULATOR, as_device, device_empty, launch, launch_stream
+from ._device import CACHE_KERNELS, SIMULATOR, as_device, device_empty, launch, launch_stream
 
 # 1024 threads: a walk's block stages its rows in one round of loads (with 128 the staging was
 # nine DRAM latencies: 11.3 us at bs 64, N 1025); accept_commit shares the staging with 512
@@ -168,7 +168,7 @@ def greedy_walk(token_ids, next_token, next_sibling, target_predict, held, b, ti
     cuda.syncthreads()                              # path complete before anyone reads it
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _tree_accept_kernel(token_ids, next_token, next_sibling, target_predict, accept_nodes,
                         accept_len, accept_tokens, bonus_token):
     b = cuda.blockIdx.x

@@ -40,7 +40,7 @@ from numba import cuda, float32, int32, uint32, uint64
 from ..limits import MAX_NODES, MAX_VOCAB
 from ..reference.tree_sample import SAMPLE_CHUNK
 from ..validation import check_tree_sample, check_tree_sample_logits
-from ._device import as_device, kernel_for_block, launch, launch_stream
+from ._device import CACHE_KERNELS, as_device, kernel_for_block, launch, launch_stream
 from .sampling_probs import PROB_THREADS, probability, row_distribution
 from .tree_accept import checked_out, write_accept_rows
 
@@ -158,7 +158,7 @@ def _residual_sample(token_ids, next_token, next_sibling, values, b, cur, dist, 
     return state[1]
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _tree_sample_kernel(token_ids, next_token, next_sibling, target_probs, uniforms,
                         bonus_uniforms, accept_nodes, accept_len, accept_tokens, bonus_token):
     """``target_probs`` is ``[bs N, V]``: row ``b N + node``."""

@@ -33,7 +33,7 @@ import numpy as np
 from numba import cuda, uint64
 
 from ..arrays import data_address
-from ..kernels._device import launch, launch_stream
+from ..kernels._device import CACHE_KERNELS, launch, launch_stream
 from ..kernels._primitives import bfloat16_bits
 from .dense_ops import ROW_THREADS, KernelDenseOps
 
@@ -86,7 +86,7 @@ def _check(status: int, call: str) -> None:
         raise RuntimeError(f"{call} failed: cuBLAS status {status}")
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _round_to_bf16_kernel(x, out):
     """``out[t, c]`` = the bfloat16 bits of ``x[t, c]`` (to nearest, ties to even). One block
     per row."""
@@ -98,7 +98,7 @@ def _round_to_bf16_kernel(x, out):
 ADDRESS_THREADS = 128     # _pair_addresses_kernel: one thread per (token, expert) pair
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _pair_addresses_kernel(experts, w_base, w_bytes, x_base, x_bytes, x_per_pair, out_base,
                            out_bytes, addresses):
     """The three address arrays of ``linear_gathered``'s batched product, one entry per pair

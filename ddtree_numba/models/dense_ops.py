@@ -29,7 +29,7 @@ from numba import cuda, float32, float64
 from numba.types import float16
 
 from ..arrays import host_view, storage_kind
-from ..kernels._device import SIMULATOR, launch, launch_stream
+from ..kernels._device import CACHE_KERNELS, SIMULATOR, launch, launch_stream
 from ..kernels._primitives import bfloat16_bits, block_sum
 from ..reference.commit_kv import store_node_rows
 
@@ -45,7 +45,7 @@ def rope_inv_freq(rope_dim: int, theta: float) -> np.ndarray:
 
 # -- kernels ---------------------------------------------------------------------------------
 
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _embed_kernel(tokens, table, out):
     """``out[t] = table[tokens[t]]`` (zeros for a padding token ``-1``). One block per row."""
     t = cuda.blockIdx.x
@@ -54,7 +54,7 @@ def _embed_kernel(tokens, table, out):
         out[t, col] = table[token, col] if token >= 0 else float32(0)
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _rms_norm_kernel(x, weight, out, eps):
     """``out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight``. One block per row."""
     t, tid = cuda.blockIdx.x, cuda.threadIdx.x
@@ -69,7 +69,7 @@ def _rms_norm_kernel(x, weight, out, eps):
         out[t, col] = x[t, col] * inv * weight[col]
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _linear_kernel(x, w, out, residual, has_residual):
     """Grouped matrix product, group ``g`` on columns ``[g Din, (g + 1) Din)`` of ``x``::
 
@@ -112,7 +112,7 @@ def _rotated_pair(src, col, position, inv_freq_p):
     return even * cos - odd * sin, even * sin + odd * cos
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _rope_kernel(x, positions, inv_freq):
     """In place: RoPE on every ``Dr``-wide group (one per head) of row ``t`` of ``x [T, G Dr]``.
 
@@ -144,7 +144,7 @@ def _make_kv_write_kernel(kind: str):
         def stored(x):
             return x
 
-    @cuda.jit
+    @cuda.jit(cache=CACHE_KERNELS)
     def kv_write_kernel(kv, kv_norm, inv_freq, positions, num_nodes, prefix_lens, block_table,
                         cache, eps):
         """Normalise and rotate node ``j``'s new row and store it at slot ``P + j`` of ``cache``.
@@ -184,7 +184,7 @@ def _make_kv_write_kernel(kind: str):
 kv_write_kernel = functools.cache(_make_kv_write_kernel)
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _silu_mul_kernel(gate_up, out):
     """``out[t, f] = silu(gate_up[t, f]) * gate_up[t, F + f]``. Grid ``(T, ceil(F /
     blockDim))``: thread ``tid`` of block ``(t, c)`` owns column ``f = c blockDim + tid`` of row
@@ -197,7 +197,7 @@ def _silu_mul_kernel(gate_up, out):
         out[t, f] = g / (float32(1) + math.exp(-g)) * gate_up[t, out.shape[1] + f]
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _add_routed_kernel(y, weights, out):
     """``out[t] += sum_e weights[t, e] * y[e, t]``, the experts in index order, those with a zero
     weight adding nothing (not even ``0 * inf``). Grid ``(T, ceil(D / blockDim))``: thread
@@ -217,7 +217,7 @@ def _add_routed_kernel(y, weights, out):
     out[t, col] += acc
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _linear_gathered_kernel(x, w, experts, out):
     """One product per (token, chosen expert) pair ``p = t k + s``::
 
@@ -240,7 +240,7 @@ def _linear_gathered_kernel(x, w, experts, out):
     out[p, col] = acc
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _add_gathered_kernel(y, experts, weights, out):
     """``out[t] += sum_s weights[t, experts[t, s]] * y[t k + s]``, the slots in order (experts
     in increasing index: ``add_routed``'s order), zero weights adding nothing. Grid ``(T,

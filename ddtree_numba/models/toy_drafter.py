@@ -18,7 +18,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint64
 
 from ..arrays import host_view
-from ..kernels._device import SIMULATOR, as_device, launch, launch_stream
+from ..kernels._device import CACHE_KERNELS, SIMULATOR, as_device, launch, launch_stream
 from ..kernels._primitives import mul_rn
 
 # CHUNK: columns of one (request, draft position) row a block writes. A row is a vocabulary
@@ -57,7 +57,7 @@ def _unit(h):
     return float32(h >> uint64(8)) * float32(1.0 / 16777216.0)
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _draft_kernel(continuation, prefix_lens, seed, accuracy, confidence, noise_scale, logits):
     """Toy block-drafter logits: a noisy view of the target's own greedy continuation.
 

@@ -17,7 +17,7 @@ import math
 from numba import cuda, float32, int32
 
 from ..arrays import host_view
-from ..kernels._device import SIMULATOR, launch, launch_stream
+from ..kernels._device import CACHE_KERNELS, SIMULATOR, launch, launch_stream
 from ..reference.greedy_step import argmax_per_node
 
 # argmax: threads per block, one block per row of logits. A row is a whole vocabulary (163 840
@@ -28,7 +28,7 @@ ROW_THREADS = 128 if SIMULATOR else 1024
 ADVANCE_THREADS = 32
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _argmax_kernel(logits, num_nodes, predict):
     """``predict[b, j] = argmax(logits[b N + j])`` (first index on ties), ``-1`` on padding.
 
@@ -64,7 +64,7 @@ def _argmax_kernel(logits, num_nodes, predict):
         predict[b, j] = best_index[0]
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _advance_kernel(accept_tokens, accept_len, bonus_token, new_prefix_lens, prefix_lens,
                     root_token_ids, emitted, emitted_count):
     """After a step, per request ``b`` (one thread each): append the ``k + 1`` committed tokens

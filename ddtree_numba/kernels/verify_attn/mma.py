@@ -457,6 +457,8 @@ def _make_mma_kernel(kind: str, Dc: int, Dr: int, stages: int, fused_merge: bool
                     lse[b, i, h] = (merged_lse(smem_f32[MERGE_M + r0 + rr], total) if i < n
                                     else NEG_INF)
 
+    # Not in the on-disk kernel cache (DDTREE_KERNEL_CACHE): numba cannot store a kernel that
+    # links CUDA C++ (the mma.sync wrappers), so each process compiles it.
     @cuda.jit(launch_bounds=(MMA_THREADS, BLOCKS_PER_SM))
     def mma_kernel(q_latent, q_rope, cache, block_table, prefix_lens, bits, num_nodes, sm_scale,
                    part_out, part_lse, cache_flat, out, lse, arrivals):

@@ -32,6 +32,7 @@ import math
 import numpy as np
 from numba import cuda, float32, uint32
 
+from .._device import CACHE_KERNELS
 from .._primitives import bits_to_float
 
 READABLE_THREADS = 32
@@ -70,7 +71,7 @@ def _visible(bits, b, i, j):
 def _make_readable_kernel(kind: str):
     widen = _make_widen(kind)
 
-    @cuda.jit
+    @cuda.jit(cache=CACHE_KERNELS)
     def readable_kernel(q_latent, q_rope, cache, block_table, prefix_lens, bits, num_nodes,
                         sm_scale, out, lse):
         # one thread per query row: row = (b * N + i) * H + h

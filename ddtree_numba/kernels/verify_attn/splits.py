@@ -37,7 +37,7 @@ import math
 from numba import cuda, float32, int32, uint32
 
 from ...limits import MAX_DC
-from .._device import sm_count
+from .._device import CACHE_KERNELS, sm_count
 from .readable import NEG_INF
 from .tiled import BM, BN, VSLOTS
 
@@ -182,7 +182,7 @@ def merged_lse(M, total):
     return M + math.log(total) if total > 0 else NEG_INF
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _merge_prefix_kernel(part_out, part_lse, prefix_lens, num_nodes, capacity, out, lse):
     """The merge of the mma variant's splits as a kernel of its own (the mma kernel runs the
     same merge in its last block of each row block): request ``b`` has ``prefix_splits(P,
@@ -229,7 +229,7 @@ def _merge_prefix_kernel(part_out, part_lse, prefix_lens, num_nodes, capacity, o
         lse[b, i, h] = merged_lse(M, total)
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _merge_kernel(part_out, part_lse, num_nodes, out, lse):
     """Grid ``(N * H, bs)``, 128 threads: one query row per block, columns strided."""
     row = cuda.blockIdx.x

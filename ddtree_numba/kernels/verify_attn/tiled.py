@@ -94,7 +94,7 @@ from numba import cuda, float32, uint32, uint64
 from numba.cuda import float32x4
 
 from ...limits import MAX_DC
-from .._device import SIMULATOR
+from .._device import CACHE_KERNELS, SIMULATOR
 from .._primitives import bits_to_float, float_to_bits, warp_max_f32, warp_sum_f32
 from .readable import NEG_INF, _make_widen, _visible
 
@@ -309,7 +309,7 @@ def _make_tiled_kernel(kind: str):
             ss = sub + tid // 128 + 2 * j
             c_next[j] = fetch4(flat, slot_off[ss], ss < t_valid, 4 * (tid % 128), Dc)
 
-    @cuda.jit
+    @cuda.jit(cache=CACHE_KERNELS)
     def tiled_kernel(q_latent, q_rope, cache, block_table, prefix_lens, bits, num_nodes,
                      sm_scale, slots_per_split, part_out, part_lse, ql_flat, qr_flat, flat):
         """Partials for rows ``[BM * y, BM * y + BM)`` over one split of the slots;

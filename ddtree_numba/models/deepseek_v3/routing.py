@@ -32,7 +32,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32
 
-from ...kernels._device import launch, launch_stream
+from ...kernels._device import CACHE_KERNELS, launch, launch_stream
 
 MAX_EXPERTS = 512       # experts a block holds, one thread each (DeepSeek-V3: 256)
 MAX_GROUPS = 32         # (DeepSeek-V3: 8)
@@ -50,7 +50,7 @@ def _beats(value_a, index_a, value_b, index_b):
     return value_a > value_b or (value_a == value_b and index_a < index_b)
 
 
-@cuda.jit
+@cuda.jit(cache=CACHE_KERNELS)
 def _route_kernel(logits, bias, n_group, topk_group, top_k, normalise, scaling, weights,
                   experts):
     """One block per token ``t``; thread ``e`` owns expert ``e`` (``blockDim >= E``; threads
