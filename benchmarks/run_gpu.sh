@@ -23,15 +23,17 @@ python3 -m ddtree_numba info | tee -a "$OUT/gpu.txt"
 if [ "$what" = tests ] || [ "$what" = tests-a ] || [ "$what" = tests-b ] \
     || [ "$what" = tests-c ] || [ "$what" = all ]
 then
-    # With 16 workers (16 cores) the whole suite does not fit one device command of 600 s
-    # (about 2 000 tests): run tests-a, tests-b and tests-c as three commands. The files of
-    # whole steps and examples go first: each of their tests takes one to four minutes while
-    # its worker compiles the step's kernels, so none may start late (xdist deals the first
-    # quarter of the tests round-robin in command-line order, then hands out the rest one at a
-    # time as workers finish: conftest.py). On a fresh H100 on 2026-12-05, tests-b took 487 s
-    # (the kernels compiled from nothing) and the files now split into tests-a and tests-c had
-    # run 98 % of their tests when the 585 s limit cut them. Each of the three stays under the
-    # device tool's 600 s a command; tests and all have an hour (a machine of your own).
+    # The whole suite (about 2 000 tests) with 16 workers on a 16-core host. Most of its time
+    # is numba compiling kernels: conftest.py turns numba's on-disk kernel cache on in a fresh
+    # directory, so that a kernel one worker compiled loads in the others, and starts the tests
+    # measured longest first (tests/gpu_test_seconds.tsv). suite_timeline.py writes a line a
+    # test as it finishes: $OUT/suite_timeline.tsv, summed up by
+    # `python benchmarks/suite_timeline.py FILE`. On 2026-12-06 a fresh H100 ran 1 542 tests
+    # in 554 s this way, before as_device stopped numba from walking every element of the
+    # toy's stride-0 weights (80 of a GPU-toy test's 245 s). `tests` runs it as one command
+    # (TESTS_LIMIT seconds, an hour by default; 580 where the device tool allows 600 s a
+    # command); tests-a, tests-b and tests-c split it into three, the files of whole steps
+    # and examples first (xdist hands out one test at a time as workers finish: conftest.py).
     first_a="tests/test_examples.py tests/test_greedy_step.py"
     first_c="tests/test_sampled_step.py tests/test_tree_sample_lossless.py
              tests/test_deepseek_v3.py tests/test_verify_attn.py tests/test_build_tree.py"
@@ -43,10 +45,11 @@ then
         tests-c) files=$first_c ;;
         *) files="$first $rest" ;;
     esac
-    case $what in tests-a|tests-b|tests-c) limit=585 ;; *) limit=3600 ;; esac
+    case $what in tests-a|tests-b|tests-c) limit=585 ;; *) limit=${TESTS_LIMIT:-3600} ;; esac
     # shellcheck disable=SC2086  # the file lists are meant to split into arguments
-    DDTREE_GPU=1 timeout $limit python3 -m pytest -n 16 -q -p no:cacheprovider \
-        -W ignore::pytest.PytestWarning -rfE --tb=long $files 2>&1 \
+    DDTREE_GPU=1 SUITE_TIMELINE="$OUT/suite_timeline.tsv" PYTHONPATH=$PYTHONPATH:$PWD/benchmarks \
+        timeout $limit python3 -m pytest -n 16 -q -p no:cacheprovider -p suite_timeline \
+        -W ignore::pytest.PytestWarning -rfE --tb=long --durations=40 $files 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -15
 fi
 if [ "$what" = profile ] || [ "$what" = all ]; then
