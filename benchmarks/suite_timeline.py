@@ -5,7 +5,8 @@ finish (so that a run cut off by a time limit still leaves its lines).
 ``SUITE_TIMELINE`` to the file to write. Each worker times numba's kernel compilations in every
 test: ``CUDADispatcher.compile`` is the one call through which a kernel's machine code is made
 or loaded, so the time inside it, and whether the dispatcher's cache-miss count rose, say how
-much of a test was compiling and how much was loading from the on-disk cache. The process that
+much of a test was compiling and how much was loading from the on-disk cache (or waiting for
+another worker to store the kernel, then loading it). The process that
 started the workers gets every test's report and writes the line:
 
     seconds_since_start  worker  outcome  seconds  compiles  compile_s  loads  load_s  test_id
@@ -67,7 +68,10 @@ def _time_compilations() -> None:
 _spent: dict = {}      # (the starting process) test id -> [seconds so far, worst outcome]
 
 
-def pytest_configure(config):
+def pytest_collection_finish(session):
+    # After the test modules imported the package, which wraps ``compile`` itself (with the
+    # kernel cache on, a process waits there for another that compiles the same kernel): the
+    # time timed here includes such waits, and a load after one shows as a long load.
     if os.environ.get("NUMBA_ENABLE_CUDASIM", "1") == "0":      # the GPU: kernels compile
         _time_compilations()
 

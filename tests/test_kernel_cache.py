@@ -108,6 +108,92 @@ def test_concurrent_saves_keep_every_entry(tmp_path):
     assert loaded == [f"code of {i}" for i in range(4)]
 
 
+# One process of the compile-lock test: it waits until the test says go, then holds the lock
+# of its cache entry for a second (as if compiling), and writes when it held it.
+HOLDER = """
+import os, sys, time
+from ddtree_numba.kernels._device import _compiling
+folder, me, entry = sys.argv[1], sys.argv[2], sys.argv[3]
+open(os.path.join(folder, f"ready-{me}"), "w").close()
+while not os.path.exists(os.path.join(folder, "go")):
+    time.sleep(0.01)
+with _compiling(folder, entry):
+    start = time.time()
+    time.sleep(1.0)
+    end = time.time()
+print(start, end)
+"""
+
+
+def test_one_process_compiles_an_entry_while_the_others_wait(tmp_path):
+    """Two processes after the same cache entry hold its lock one after the other; a third,
+    after another entry, does not wait for them."""
+    env = clean_env(NUMBA_ENABLE_CUDASIM="1")
+    entries = {"a": "kernel x (float32[:],)", "b": "kernel x (float32[:],)",
+               "c": "kernel x (int32[:],)"}
+    children = {me: subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path), me, entry],
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+                for me, entry in entries.items()}
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"ready-{me}").exists() for me in entries):
+        assert time.monotonic() < deadline, "the processes did not start"
+        assert all(c.poll() is None for c in children.values()), \
+            [c.stderr.read() for c in children.values()]
+        time.sleep(0.05)
+    (tmp_path / "go").touch()
+    held = {}
+    for me, child in children.items():
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err
+        held[me] = tuple(map(float, out.split()))
+    (a_start, a_end), (b_start, b_end) = sorted([held["a"], held["b"]])
+    assert b_start >= a_end, "two processes held one entry's lock at once"
+    assert held["c"][0] < b_end, "another entry waited for this one"
+
+
+@pytest.mark.gpu
+def test_processes_started_together_compile_each_kernel_once(tmp_path):
+    """Two processes launch the same kernels at the same moment with an empty cache: each
+    kernel is compiled by one of them and loaded by the other (without the compile lock both
+    would compile every kernel)."""
+    script = tmp_path / "launch.py"
+    script.write_text(f"""
+import gc, os, sys, time
+import numpy as np
+from numba.cuda.dispatcher import CUDADispatcher
+import ddtree_numba.kernels as K
+logits = np.random.default_rng(0).standard_normal((2, 3, 4096)).astype(np.float32)
+open(sys.argv[1], "w").close()          # imported: now wait for the other process
+while not os.path.exists({str(tmp_path / "go")!r}):
+    time.sleep(0.01)
+K.draft_topk(logits, 8)
+kernels = [d for d in gc.get_objects() if isinstance(d, CUDADispatcher)]
+print(sum(sum(d.stats.cache_hits.values()) for d in kernels),
+      sum(sum(d.stats.cache_misses.values()) for d in kernels))
+""")
+    env = clean_env(DDTREE_KERNEL_CACHE="1", NUMBA_CACHE_DIR=str(tmp_path / "cache"),
+                    PYTHONHASHSEED="0", NUMBA_ENABLE_CUDASIM="0")
+    ready = [tmp_path / f"ready-{i}" for i in range(2)]
+    children = [subprocess.Popen([sys.executable, str(script), str(r)], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for r in ready]
+    deadline = time.monotonic() + 300
+    while not all(r.exists() for r in ready):
+        assert time.monotonic() < deadline, "the processes did not start"
+        assert all(c.poll() is None for c in children), [c.stderr.read() for c in children]
+        time.sleep(0.05)
+    (tmp_path / "go").touch()
+    counts = []
+    for child in children:
+        out, err = child.communicate(timeout=600)
+        assert child.returncode == 0, err
+        counts.append(tuple(map(int, out.split())))
+    hits = sum(h for h, _ in counts)
+    misses = sum(m for _, m in counts)
+    assert misses > 0 and hits == misses, counts
+
+
 @pytest.mark.gpu
 def test_a_kernel_compiled_in_one_process_loads_in_the_next(tmp_path):
     """The same draft_topk calls (the split-row and the whole-row kernels) in two fresh

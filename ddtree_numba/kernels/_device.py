@@ -76,14 +76,15 @@ if SIMULATOR:
 #: ``DDTREE_KERNEL_CACHE=1``: every kernel of the library is compiled with ``cache=True`` and
 #: kept in numba's on-disk cache (in ``NUMBA_CACHE_DIR`` when set, else in ``__pycache__`` beside
 #: its source), so that another process, or a later run, loads it instead of compiling it again
-#: (one to four minutes for a whole step). The GPU test run turns it on with a fresh directory,
-#: so that its workers and the examples they start compile each kernel once between them.
-#: numba takes a cached kernel as fresh while the file that defines it is unchanged: after
-#: editing a device function that a kernel in another file calls, empty the directory. The
-#: tensor-core kernels are not cached (numba cannot store a kernel that links CUDA C++). A
-#: kernel's cache key includes its closure, pickled, and the pickle of numba's vector types
-#: (``float32x4``) follows Python's string hashing: processes load each other's kernels only
-#: under the same ``PYTHONHASHSEED``; with different seeds they compile their own.
+#: (one to four minutes for a whole step); a kernel that another process is compiling is waited
+#: for, then loaded. The GPU test run turns it on with a fresh directory, so that its workers and
+#: the examples they start compile each kernel once between them. numba takes a cached kernel
+#: as fresh while the file that defines it is unchanged: after editing a device function that a
+#: kernel in another file calls, empty the directory. The tensor-core kernels are not cached
+#: (numba cannot store a kernel that links CUDA C++). A kernel's cache key includes its closure,
+#: pickled, and the pickle of numba's vector types (``float32x4``) follows Python's string
+#: hashing: processes load each other's kernels only under the same ``PYTHONHASHSEED``; with
+#: different seeds they compile their own.
 CACHE_KERNELS: bool = (not SIMULATOR
                        and os.environ.get("DDTREE_KERNEL_CACHE", "0").strip() not in ("", "0"))
 
@@ -114,8 +115,62 @@ def _serialise_cache_saves():
     IndexDataCacheFile.save = locked_save
 
 
+#: With the cache on, how long a process waits for another that compiles the same kernel before
+#: it compiles the kernel itself (the largest take about two minutes on a loaded host).
+COMPILE_WAIT_S = 600.0
+
+
+@contextlib.contextmanager
+def _compiling(folder: str, entry: str):
+    """Hold the lock of one cache entry across processes: an ``flock`` on
+    ``folder/compiling-<hash of entry>.lock``, waited for at most :data:`COMPILE_WAIT_S`
+    seconds (then the caller goes on without it). A process that dies releases it with its
+    file."""
+    import fcntl
+    import hashlib
+    import time
+
+    name = hashlib.sha256(entry.encode()).hexdigest()[:24]
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"compiling-{name}.lock"), "a") as lock:
+        deadline = time.monotonic() + COMPILE_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:         # another process holds it: wait
+                time.sleep(0.05)
+        yield                               # released when the file closes
+
+
+def _compile_once_across_processes():
+    """With the cache on, processes that need the same kernel at the same time would each
+    compile it (the GPU test run's workers, ranks started together). The first holds the lock
+    of the kernel's cache entry (its function, argument types, closure and target:
+    :func:`_compiling`) while it compiles and stores the kernel; the others wait for the lock,
+    then load what it stored. One whose compilation fails releases the lock, and the next
+    tries for itself."""
+    from numba.cuda.dispatcher import CUDADispatcher
+
+    if getattr(CUDADispatcher.compile, "_ddtree_once", False):
+        return
+    compile_here = CUDADispatcher.compile
+
+    def compile_once(self, sig):
+        folder = getattr(self._cache, "cache_path", None)     # None: not cached (NullCache)
+        if folder is None or (isinstance(sig, tuple) and sig in self.overloads):
+            return compile_here(self, sig)
+        entry = repr(self._cache._index_key(sig, self.targetctx.codegen()))
+        with _compiling(folder, entry):
+            return compile_here(self, sig)  # a load from the cache if another stored it
+
+    compile_once._ddtree_once = True
+    CUDADispatcher.compile = compile_once
+
+
 if CACHE_KERNELS:
     _serialise_cache_saves()
+    _compile_once_across_processes()
 
 _stream_stack: list = []
 
