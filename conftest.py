@@ -22,20 +22,26 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     for variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(variable, "1")
 
-if ON_GPU and "DDTREE_KERNEL_CACHE" not in os.environ:
+if ON_GPU and os.environ.get("DDTREE_KERNEL_CACHE", "1").strip().lower() not in (
+        "", "0", "false", "no", "off"):
     # Compile each kernel once for the whole run, not once in every worker: numba's on-disk
     # kernel cache (``DDTREE_KERNEL_CACHE``, ``ddtree_numba.kernels._device``) in a directory of
-    # this run's own, so that nothing from an earlier version of the code can load. Set here,
-    # before numba is imported, in the process that starts the ``-n`` workers; they, and the
-    # programs the tests start (examples, the CLI), inherit it. One hash seed for all of them:
-    # the cache keys of kernels that use numba's vector types depend on it.
-    import atexit
-    import shutil
-    import tempfile
+    # this run's own, so that nothing from an earlier version of the code can load
+    # (``DDTREE_KERNEL_CACHE=0`` turns it off). Made here, before numba is imported, by the
+    # process that starts the ``-n`` workers; they, and the programs the tests start (examples,
+    # the CLI), inherit it through the environment. One hash seed for all of them: the cache
+    # keys of kernels that use numba's vector types depend on it. A run killed by a signal
+    # leaves the directory behind (``ddtree-kernels-*`` in the temporary directory).
+    if "DDTREE_TEST_KERNEL_CACHE" not in os.environ:         # the run's first process
+        import atexit
+        import shutil
+        import tempfile
 
-    _kernel_cache = tempfile.mkdtemp(prefix="ddtree-kernels-")
-    atexit.register(shutil.rmtree, _kernel_cache, ignore_errors=True)
-    os.environ.update(DDTREE_KERNEL_CACHE="1", NUMBA_CACHE_DIR=_kernel_cache)
+        os.environ["DDTREE_TEST_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="ddtree-kernels-")
+        atexit.register(shutil.rmtree, os.environ["DDTREE_TEST_KERNEL_CACHE"],
+                        ignore_errors=True)
+    os.environ.update(DDTREE_KERNEL_CACHE="1",
+                      NUMBA_CACHE_DIR=os.environ["DDTREE_TEST_KERNEL_CACHE"])
     os.environ.setdefault("PYTHONHASHSEED", "0")
 
 import pytest  # noqa: E402
@@ -76,7 +82,8 @@ def _longest_first(items) -> None:
     usual order. Every worker sorts the same collection the same way, as xdist requires."""
     try:
         with open(GPU_TEST_SECONDS) as f:
-            rows = [line.rstrip("\n").split("\t") for line in f if not line.startswith("#")]
+            rows = [line.rstrip("\n").split("\t") for line in f
+                    if line.strip() and not line.startswith("#")]
     except FileNotFoundError:
         return
     seconds = {test: float(s) for s, test in rows}

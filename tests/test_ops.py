@@ -66,6 +66,8 @@ def test_as_device_copies_a_length_one_axis_of_stride_zero():
     assert 0 not in on_device.strides
     assert on_device.is_c_contiguous()
     np.testing.assert_array_equal(on_device.copy_to_host(), w[None])
+    one = np.float32([5.0])[None]                       # one element: numba still says "A"
+    assert 0 in one.strides and 0 not in as_device(one).strides
 
 
 def test_embed_zeroes_padding_tokens(rng):

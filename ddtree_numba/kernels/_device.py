@@ -79,37 +79,50 @@ if SIMULATOR:
 #: (one to four minutes for a whole step); a kernel that another process is compiling is waited
 #: for, then loaded. The GPU test run turns it on with a fresh directory, so that its workers and
 #: the examples they start compile each kernel once between them. numba takes a cached kernel
-#: as fresh while the file that defines it is unchanged: after editing a device function that a
-#: kernel in another file calls, empty the directory. The tensor-core kernels are not cached
-#: (numba cannot store a kernel that links CUDA C++). A kernel's cache key includes its closure,
-#: pickled, and the pickle of numba's vector types (``float32x4``) follows Python's string
-#: hashing: processes load each other's kernels only under the same ``PYTHONHASHSEED``; with
-#: different seeds they compile their own.
-CACHE_KERNELS: bool = (not SIMULATOR
-                       and os.environ.get("DDTREE_KERNEL_CACHE", "0").strip() not in ("", "0"))
+#: as fresh while the file that defines it is unchanged: what the kernel takes from other
+#: modules (device functions, constants such as ``limits.MAX_NODES``) and its ``jit`` options
+#: are not checked, so after editing the package, empty the directory. The tensor-core kernels
+#: are not cached (numba cannot store a kernel that links CUDA C++). A kernel's cache key
+#: includes its closure, pickled, and the pickle of numba's vector types (``float32x4``) follows
+#: Python's string hashing: processes load each other's kernels only under the same
+#: ``PYTHONHASHSEED``; with different seeds they compile their own.
+CACHE_KERNELS: bool = (not SIMULATOR and os.environ.get("DDTREE_KERNEL_CACHE", "0").strip().lower()
+                       not in ("", "0", "false", "no", "off"))
 
 
 def _serialise_cache_saves():
     """numba's cache is not safe for processes that save different compilations of one kernel at
     once: each reads the kernel's index, picks the first free data-file number (both pick 1),
     and writes index and data; the last index and the last data file win, and may belong to
-    different compilations, so a later load could get the other one's code. An exclusive
-    ``flock`` on ``<index>.lock`` around the read-modify-write makes the saves take turns.
-    (Loads need no lock: index and data files are replaced whole, and a data file named in the
-    index holds that entry's code or does not exist yet, which loads as a miss.)"""
+    different compilations, so a later load could get the other one's code. Here a save holds
+    an exclusive ``flock`` on ``<index>.lock`` around that read-modify-write, and writes the data
+    file before the index that names it. So a load (which takes no lock: both files are
+    replaced whole) finds, under a name the index gives, that entry's code."""
     import fcntl
+    import itertools
 
     from numba.cuda.core.caching import IndexDataCacheFile
 
     if getattr(IndexDataCacheFile.save, "_ddtree_locked", False):
         return
-    unlocked = IndexDataCacheFile.save
 
     def locked_save(self, key, data):
         os.makedirs(self._cache_path, exist_ok=True)
         with open(self._index_path + ".lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)        # released when the file closes
-            unlocked(self, key, data)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)    # released when the file closes
+            except OSError:                         # a file system without locks: go on
+                pass
+            overloads = self._load_index()
+            name = overloads.get(key)
+            if name is None:                        # a new entry: the first free number
+                taken = set(overloads.values())
+                name = next(n for n in map(self._data_name, itertools.count(1))
+                            if n not in taken)
+            self._save_data(name, data)
+            if overloads.get(key) != name:
+                overloads[key] = name
+                self._save_index(overloads)
 
     locked_save._ddtree_locked = True
     IndexDataCacheFile.save = locked_save
@@ -140,6 +153,8 @@ def _compiling(folder: str, entry: str):
                 break
             except BlockingIOError:         # another process holds it: wait
                 time.sleep(0.05)
+            except OSError:                 # a file system without locks: go on without
+                break
         yield                               # released when the file closes
 
 
@@ -210,7 +225,7 @@ def as_device(a, *, bf16_as_bits: bool = True):
     source = array_source(a)
     if source == "numpy":
         host = np.ascontiguousarray(a)
-        if 0 in host.strides and host.size > 1:
+        if 0 in host.strides and host.size > 0:
             # ``w[None]``: numpy calls an array whose length-1 axis has stride 0 contiguous and
             # keeps it, numba takes a stride-0 axis for a broadcast one. Its device array would
             # then be non-contiguous (layout "A" in every kernel it meets), and numba finds the
