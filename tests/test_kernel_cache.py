@@ -5,7 +5,6 @@ GPU a kernel compiled in one process loads in the next."""
 from __future__ import annotations
 
 import ast
-import os
 import pathlib
 import subprocess
 import sys
@@ -61,63 +60,73 @@ def test_the_switch_is_off_on_the_simulator():
     assert done.stdout.strip() == "False"
 
 
-# One process of the concurrent-save test: it waits until the test says go, then saves its own
-# entry into the shared index. The index write is slowed down so that, without the lock, every
-# process would read the empty index, pick data file 1, and all but one entry would be lost.
-SAVER = """
+# The start of every script run by run_together: ``folder, me = sys.argv[1], sys.argv[2]``,
+# and ``wait_for_go()``, which says this process is ready and waits until the test says go.
+PRELUDE = """
 import os, sys, time
+folder, me = sys.argv[1], sys.argv[2]
+def wait_for_go():
+    open(os.path.join(folder, f"ready-{me}"), "w").close()
+    while not os.path.exists(os.path.join(folder, "go")):
+        time.sleep(0.01)
+"""
+
+
+def run_together(scripts, folder, env, timeout=120) -> list:
+    """Run ``PRELUDE + script`` in one fresh process each (``sys.argv``: the folder, the
+    script's index), say go once every one is ready, so that they all start the part under
+    test at the same moment; return their standard outputs (each must exit 0)."""
+    children = [subprocess.Popen([sys.executable, "-c", PRELUDE + script, str(folder), str(i)],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True)
+                for i, script in enumerate(scripts)]
+    deadline = time.monotonic() + timeout
+    while not all((folder / f"ready-{i}").exists() for i in range(len(children))):
+        assert time.monotonic() < deadline, "the processes did not start"
+        assert all(c.poll() is None for c in children), [c.stderr.read() for c in children]
+        time.sleep(0.05)
+    (folder / "go").touch()
+    outputs = []
+    for child in children:
+        out, err = child.communicate(timeout=timeout)
+        assert child.returncode == 0, err
+        outputs.append(out)
+    return outputs
+
+
+# A process of the concurrent-save test saves its own entry into the shared index. The index
+# write is slowed down so that, without the lock, every process would read the empty index,
+# pick data file 1, and all but one entry would be lost.
+SAVER = """
 from numba.cuda.core.caching import IndexDataCacheFile
 from ddtree_numba.kernels._device import _serialise_cache_saves
-folder, me = sys.argv[1], int(sys.argv[2])
-if sys.argv[3] == "locked":
-    _serialise_cache_saves()
+_serialise_cache_saves()
 slow_write = IndexDataCacheFile._save_index
 def _save_index(self, overloads):
     time.sleep(0.3)
     slow_write(self, overloads)
 IndexDataCacheFile._save_index = _save_index
 cache = IndexDataCacheFile(folder, "kernel", ("stamp", 1))
-open(os.path.join(folder, f"ready-{me}"), "w").close()
-while not os.path.exists(os.path.join(folder, "go")):
-    time.sleep(0.01)
+wait_for_go()
 cache.save(("signature", me), f"code of {me}")
 """
 
 
-def _save_concurrently(folder, processes: int, mode: str) -> list:
-    env = clean_env(NUMBA_ENABLE_CUDASIM="1")
-    children = [subprocess.Popen([sys.executable, "-c", SAVER, str(folder), str(i), mode],
-                                 env=env, stderr=subprocess.PIPE, text=True)
-                for i in range(processes)]
-    deadline = time.monotonic() + 120
-    while sum(os.path.exists(folder / f"ready-{i}") for i in range(processes)) < processes:
-        assert time.monotonic() < deadline, "the saving processes did not start"
-        assert all(c.poll() is None for c in children), [c.stderr.read() for c in children]
-        time.sleep(0.05)
-    (folder / "go").touch()
-    for child in children:
-        assert child.wait(timeout=120) == 0, child.stderr.read()
+def test_concurrent_saves_keep_every_entry(tmp_path):
     from numba.cuda.core.caching import IndexDataCacheFile
 
-    cache = IndexDataCacheFile(str(folder), "kernel", ("stamp", 1))
-    return [cache.load(("signature", i)) for i in range(processes)]
+    run_together([SAVER] * 4, tmp_path, clean_env(NUMBA_ENABLE_CUDASIM="1"))
+    cache = IndexDataCacheFile(str(tmp_path), "kernel", ("stamp", 1))
+    assert [cache.load(("signature", str(i))) for i in range(4)] == \
+        [f"code of {i}" for i in range(4)]
 
 
-def test_concurrent_saves_keep_every_entry(tmp_path):
-    loaded = _save_concurrently(tmp_path, 4, "locked")
-    assert loaded == [f"code of {i}" for i in range(4)]
-
-
-# One process of the compile-lock test: it waits until the test says go, then holds the lock
-# of its cache entry for a second (as if compiling), and writes when it held it.
+# A process of the compile-lock test holds the lock of its cache entry (its argument) for a
+# second, as if compiling, and prints when it held it.
 HOLDER = """
-import os, sys, time
 from ddtree_numba.kernels._device import _compiling
-folder, me, entry = sys.argv[1], sys.argv[2], sys.argv[3]
-open(os.path.join(folder, f"ready-{me}"), "w").close()
-while not os.path.exists(os.path.join(folder, "go")):
-    time.sleep(0.01)
-with _compiling(folder, entry):
+wait_for_go()
+with _compiling(folder, {entry!r}):
     start = time.time()
     time.sleep(1.0)
     end = time.time()
@@ -128,102 +137,61 @@ print(start, end)
 def test_one_process_compiles_an_entry_while_the_others_wait(tmp_path):
     """Two processes after the same cache entry hold its lock one after the other; a third,
     after another entry, does not wait for them."""
-    env = clean_env(NUMBA_ENABLE_CUDASIM="1")
-    entries = {"a": "kernel x (float32[:],)", "b": "kernel x (float32[:],)",
-               "c": "kernel x (int32[:],)"}
-    children = {me: subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path), me, entry],
-                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
-                for me, entry in entries.items()}
-    deadline = time.monotonic() + 120
-    while not all((tmp_path / f"ready-{me}").exists() for me in entries):
-        assert time.monotonic() < deadline, "the processes did not start"
-        assert all(c.poll() is None for c in children.values()), \
-            [c.stderr.read() for c in children.values()]
-        time.sleep(0.05)
-    (tmp_path / "go").touch()
-    held = {}
-    for me, child in children.items():
-        out, err = child.communicate(timeout=120)
-        assert child.returncode == 0, err
-        held[me] = tuple(map(float, out.split()))
-    (a_start, a_end), (b_start, b_end) = sorted([held["a"], held["b"]])
+    entries = ["kernel x (float32[:],)", "kernel x (float32[:],)", "kernel x (int32[:],)"]
+    outputs = run_together([HOLDER.format(entry=e) for e in entries], tmp_path,
+                           clean_env(NUMBA_ENABLE_CUDASIM="1"))
+    a, b, c = (tuple(map(float, out.split())) for out in outputs)
+    (a_start, a_end), (b_start, b_end) = sorted([a, b])
     assert b_start >= a_end, "two processes held one entry's lock at once"
-    c_start, c_end = held["c"]
-    assert any(start < c_end and c_start < end for start, end in (held["a"], held["b"])), \
+    assert any(start < c[1] and c[0] < end for start, end in (a, b)), \
         "another entry waited for this one"
+
+
+# A process of the GPU tests below: draft_topk at one row split across blocks and at whole
+# rows a block, then the cache hits and misses of every kernel it launched, and the ids.
+LAUNCHER = """
+import gc
+import numpy as np
+from numba.cuda.dispatcher import CUDADispatcher
+import ddtree_numba.kernels as K
+rng = np.random.default_rng(0)
+inputs = [rng.standard_normal((bs, 3, 4096)).astype(np.float32) for bs in (1, 8)]
+wait_for_go()
+ids = [K.draft_topk(logits, 8)[1].copy_to_host().tobytes().hex() for logits in inputs]
+kernels = [d for d in gc.get_objects() if isinstance(d, CUDADispatcher)]
+print(sum(sum(d.stats.cache_hits.values()) for d in kernels),
+      sum(sum(d.stats.cache_misses.values()) for d in kernels), *ids)
+"""
+
+
+def _launch(tmp_path, processes: int) -> list:
+    env = clean_env(DDTREE_KERNEL_CACHE="1", NUMBA_CACHE_DIR=str(tmp_path / "cache"),
+                    PYTHONHASHSEED="0", NUMBA_ENABLE_CUDASIM="0")
+    outputs = run_together([LAUNCHER] * processes, tmp_path, env, timeout=600)
+    (tmp_path / "go").unlink()
+    for i in range(processes):
+        (tmp_path / f"ready-{i}").unlink()
+    return [(int(hits), int(misses), ids) for hits, misses, *ids in map(str.split, outputs)]
 
 
 @pytest.mark.gpu
 def test_processes_started_together_compile_each_kernel_once(tmp_path):
     """Two processes launch the same kernels at the same moment with an empty cache: each
     kernel is compiled by one of them and loaded by the other (without the compile lock both
-    would compile every kernel)."""
-    script = tmp_path / "launch.py"
-    script.write_text(f"""
-import gc, os, sys, time
-import numpy as np
-from numba.cuda.dispatcher import CUDADispatcher
-import ddtree_numba.kernels as K
-logits = np.random.default_rng(0).standard_normal((2, 3, 4096)).astype(np.float32)
-open(sys.argv[1], "w").close()          # imported: now wait for the other process
-while not os.path.exists({str(tmp_path / "go")!r}):
-    time.sleep(0.01)
-K.draft_topk(logits, 8)
-kernels = [d for d in gc.get_objects() if isinstance(d, CUDADispatcher)]
-print(sum(sum(d.stats.cache_hits.values()) for d in kernels),
-      sum(sum(d.stats.cache_misses.values()) for d in kernels))
-""")
-    env = clean_env(DDTREE_KERNEL_CACHE="1", NUMBA_CACHE_DIR=str(tmp_path / "cache"),
-                    PYTHONHASHSEED="0", NUMBA_ENABLE_CUDASIM="0")
-    ready = [tmp_path / f"ready-{i}" for i in range(2)]
-    children = [subprocess.Popen([sys.executable, str(script), str(r)], env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                for r in ready]
-    deadline = time.monotonic() + 300
-    while not all(r.exists() for r in ready):
-        assert time.monotonic() < deadline, "the processes did not start"
-        assert all(c.poll() is None for c in children), [c.stderr.read() for c in children]
-        time.sleep(0.05)
-    (tmp_path / "go").touch()
-    counts = []
-    for child in children:
-        out, err = child.communicate(timeout=600)
-        assert child.returncode == 0, err
-        counts.append(tuple(map(int, out.split())))
-    hits = sum(h for h, _ in counts)
-    misses = sum(m for _, m in counts)
-    assert misses > 0 and hits == misses, counts
+    would compile every kernel); the ids are the same."""
+    (hits_a, misses_a, ids_a), (hits_b, misses_b, ids_b) = _launch(tmp_path, 2)
+    assert misses_a + misses_b > 0 and hits_a + hits_b == misses_a + misses_b
+    assert ids_a == ids_b
 
 
 @pytest.mark.gpu
 def test_a_kernel_compiled_in_one_process_loads_in_the_next(tmp_path):
-    """The same draft_topk calls (the split-row and the whole-row kernels) in two fresh
-    processes sharing one cache directory: the first compiles and stores, the second loads
-    every kernel it launches (no miss) and gets the same results."""
-    code = """
-import gc
-import numpy as np
-from numba.cuda.dispatcher import CUDADispatcher
-import ddtree_numba.kernels as K
-rng = np.random.default_rng(0)
-for bs in (1, 8):             # one row split across blocks, and whole rows a block
-    logits = rng.standard_normal((bs, 3, 4096)).astype(np.float32)
-    log_probs, ids = K.draft_topk(logits, 8)
-    print(ids.copy_to_host().tobytes().hex(), end=" ")
-kernels = [d for d in gc.get_objects() if isinstance(d, CUDADispatcher)]
-print(sum(sum(d.stats.cache_hits.values()) for d in kernels),
-      sum(sum(d.stats.cache_misses.values()) for d in kernels))
-"""
-    env = dict(DDTREE_KERNEL_CACHE="1", NUMBA_CACHE_DIR=str(tmp_path), PYTHONHASHSEED="0",
-               NUMBA_ENABLE_CUDASIM="0")
-    first = run(["-c", code], timeout=600, **env)
-    assert first.returncode == 0, first.stderr
-    second = run(["-c", code], timeout=600, **env)
-    assert second.returncode == 0, second.stderr
-    *ids1, hits1, misses1 = first.stdout.split()
-    *ids2, hits2, misses2 = second.stdout.split()
-    assert int(misses1) > 0 and int(hits1) == 0
-    assert int(hits2) == int(misses1) and int(misses2) == 0
+    """The same draft_topk calls in two fresh processes, one after the other, sharing one
+    cache directory: the first compiles and stores, the second loads every kernel it launches
+    (no miss) and gets the same ids."""
+    [(hits1, misses1, ids1)] = _launch(tmp_path, 1)
+    [(hits2, misses2, ids2)] = _launch(tmp_path, 1)
+    assert misses1 > 0 and hits1 == 0
+    assert hits2 == misses1 and misses2 == 0
     assert ids2 == ids1
-    assert list(tmp_path.rglob("*.nbc")), "nothing was stored"
+    assert list((tmp_path / "cache").rglob("*.nbc")), "nothing was stored"
