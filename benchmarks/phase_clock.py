@@ -69,6 +69,11 @@ PRELUDE = """
 _clock_link = cuda.CUSource(CLOCK_SOURCE)
 clock = cuda.declare_device("phase_clock", "int64()", link=_clock_link)
 ns = cuda.declare_device("phase_ns", "int64()", link=_clock_link)
+if "kernel_for_block" in globals():         # not cached: see instrument()
+    _kernel_for_block = kernel_for_block
+
+    def kernel_for_block(threads, blocks_per_sm=1):
+        return _kernel_for_block(threads, blocks_per_sm, cache=False)
 """
 
 
@@ -83,6 +88,10 @@ def instrument(module, edits):
         if source.count(anchor) != 1:
             sys.exit(f"phase_clock: {module.__name__} no longer has this line once: {anchor!r}")
         source = source.replace(anchor, replacement)
+    # Not in the on-disk kernel cache (DDTREE_KERNEL_CACHE): the copy has no file to key its
+    # kernels by, and they link the clock's CUDA C++, which numba cannot store (the prelude
+    # does the same for kernel_for_block).
+    source = source.replace("cache=CACHE_KERNELS", "cache=False")
     copy = types.ModuleType(module.__name__ + "_marked")
     copy.__dict__["CLOCK_SOURCE"] = CLOCK_SOURCE
     exec(compile(source.replace("\nTHREADS = ", PRELUDE + "\nTHREADS = ", 1)
@@ -163,13 +172,13 @@ def merge_edits():
     rounds = "        cuda.syncthreads()                  # every list of the round merged\n"
     lse = "    cuda.syncthreads()                      # lists and lse in place\n"
     write = ("    _write_top(lists, k, stats[0], row_id, tid, T, top_log_probs, top_token_ids)"
-             "\n\n\n@cuda.jit\ndef _merge_kernel")
+             "\n\n\n@cuda.jit(cache=CACHE_KERNELS)\ndef _merge_kernel")
     return [(signature, signature.replace("top_token_ids):", "top_token_ids, marks):")),
             ("    n = p2 * k2\n", "    n = p2 * k2\n" + mark(4, "16")),
             ("    _row_lse(part_max[row_id]", mark(4, "17") + "    _row_lse(part_max[row_id]"),
             (lse, lse + mark(4, "18") + "    rnd = 0\n"),
             (rounds, rounds + mark(8, "min(19 + rnd, 24)") + "        rnd += 1\n"),
-            (write, write.replace("\n\n\n@cuda.jit", "\n" + mark(4, "25") + "\n\n@cuda.jit"))]
+            (write, write.replace("\n\n\n@cuda", "\n" + mark(4, "25") + "\n\n@cuda"))]
 
 
 def resident_report(write):

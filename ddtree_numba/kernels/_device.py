@@ -198,17 +198,19 @@ def sm_count() -> int:
     return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
-def kernel_for_block(threads: int, blocks_per_sm: int = 1):
+def kernel_for_block(threads: int, blocks_per_sm: int = 1, *, cache: bool | None = None):
     """``@cuda.jit`` of a kernel always launched with ``threads`` threads a block, compiled so
     that ``blocks_per_sm`` such blocks fit an SM (``launch_bounds``: at most ``65536 /
     (threads * blocks_per_sm)`` registers a thread, where ptxas would otherwise take more and
-    the launch would fail, or fewer blocks would run at once). The simulator has no registers
-    and no such option: plain ``@cuda.jit`` there."""
+    the launch would fail, or fewer blocks would run at once), kept in the on-disk cache when
+    ``cache`` (default :data:`CACHE_KERNELS`). The simulator has no registers and no such
+    option: plain ``@cuda.jit`` there."""
     if SIMULATOR:
         return cuda.jit
+    cache = CACHE_KERNELS if cache is None else cache
     if blocks_per_sm == 1:
-        return cuda.jit(launch_bounds=threads, cache=CACHE_KERNELS)
-    return cuda.jit(launch_bounds=(threads, blocks_per_sm), cache=CACHE_KERNELS)
+        return cuda.jit(launch_bounds=threads, cache=cache)
+    return cuda.jit(launch_bounds=(threads, blocks_per_sm), cache=cache)
 
 
 def as_device(a, *, bf16_as_bits: bool = True):
