@@ -22,8 +22,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     for variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(variable, "1")
 
-if ON_GPU and os.environ.get("DDTREE_KERNEL_CACHE", "1").strip().lower() not in (
-        "", "0", "false", "no", "off"):
+from ddtree_numba._platform import collect_less_often, kernel_cache_requested  # noqa: E402
+
+if ON_GPU and kernel_cache_requested(default=True):
     # Compile each kernel once for the whole run, not once in every worker: numba's on-disk
     # kernel cache (``DDTREE_KERNEL_CACHE``, ``ddtree_numba.kernels._device``) in a directory of
     # this run's own, so that nothing from an earlier version of the code can load
@@ -45,8 +46,6 @@ if ON_GPU and os.environ.get("DDTREE_KERNEL_CACHE", "1").strip().lower() not in 
     os.environ.setdefault("PYTHONHASHSEED", "0")
 
 import pytest  # noqa: E402
-
-from ddtree_numba._platform import collect_less_often  # noqa: E402
 
 # On the GPU most of the suite's time is numba compiling kernels; the collector's passes over
 # the heap while it inlines helpers are a quarter of that (``collect_less_often``).
@@ -76,17 +75,22 @@ def pytest_configure(config):
 GPU_TEST_SECONDS = os.path.join(os.path.dirname(__file__), "tests", "gpu_test_seconds.tsv")
 
 
-def _longest_first(items) -> None:
-    """On the GPU, start the tests measured longest first (longest-processing-time order: a
-    four-minute test dealt out last would run alone at the end); the others follow in their
-    usual order. Every worker sorts the same collection the same way, as xdist requires."""
+def gpu_test_seconds() -> dict:
+    """``{test id: seconds}`` from :data:`GPU_TEST_SECONDS`, in its order (empty if missing)."""
     try:
         with open(GPU_TEST_SECONDS) as f:
             rows = [line.rstrip("\n").split("\t") for line in f
                     if line.strip() and not line.startswith("#")]
     except FileNotFoundError:
-        return
-    seconds = {test: float(s) for s, test in rows}
+        return {}
+    return {test: float(seconds) for seconds, test in rows}
+
+
+def _longest_first(items) -> None:
+    """On the GPU, start the tests measured longest first (longest-processing-time order: a
+    four-minute test dealt out last would run alone at the end); the others follow in their
+    usual order. Every worker sorts the same collection the same way, as xdist requires."""
+    seconds = gpu_test_seconds()
     items.sort(key=lambda item: -seconds.get(item.nodeid, 0.0))     # a stable sort
 
 

@@ -49,7 +49,7 @@ then
     # shellcheck disable=SC2086  # the file lists are meant to split into arguments
     DDTREE_GPU=1 SUITE_TIMELINE="$OUT/suite_timeline.tsv" PYTHONPATH=$PYTHONPATH:$PWD/benchmarks \
         timeout $limit python3 -m pytest -n 16 -q -p no:cacheprovider -p suite_timeline \
-        -W ignore::pytest.PytestWarning -rfE --tb=long --durations=40 $files 2>&1 \
+        -W ignore::pytest.PytestWarning -rfE --tb=long $files 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -15
 fi
 if [ "$what" = profile ] || [ "$what" = all ]; then

@@ -64,6 +64,19 @@ def requested_backend() -> str:
     return value
 
 
+#: The on-disk kernel cache's switch (``kernels._device.CACHE_KERNELS``).
+KERNEL_CACHE_ENV = "DDTREE_KERNEL_CACHE"
+
+
+def kernel_cache_requested(default: bool = False) -> bool:
+    """``DDTREE_KERNEL_CACHE``: off when empty, ``0``, ``false``, ``no`` or ``off``, on for any
+    other value, ``default`` when unset."""
+    value = os.environ.get(KERNEL_CACHE_ENV)
+    if value is None:
+        return default
+    return value.strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def _name(simulate) -> str:
     return "simulator" if simulate else "gpu"
 

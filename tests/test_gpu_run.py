@@ -12,18 +12,14 @@ from scripts import ROOT
 import conftest
 
 
-def _listed():
-    with open(conftest.GPU_TEST_SECONDS) as f:
-        return [line.rstrip("\n").split("\t") for line in f
-                if line.strip() and not line.startswith("#")]
-
-
 def test_the_list_names_tests_that_exist():
     """A renamed or removed test would silently lose its place at the front."""
     functions = {}
     missing = []
-    for seconds, test in _listed():
-        assert float(seconds) >= 0, test
+    listed = conftest.gpu_test_seconds()
+    assert listed, f"nothing read from {conftest.GPU_TEST_SECONDS}"
+    for test, seconds in listed.items():
+        assert seconds >= 0, test
         path, _, name = test.partition("::")
         name = name.split("[")[0]
         if path not in functions:
@@ -36,9 +32,10 @@ def test_the_list_names_tests_that_exist():
 
 
 def test_longest_listed_tests_go_first_and_the_rest_keep_their_order():
-    listed = _listed()
-    long_s, longest = listed[0]
-    shorter = next(test for s, test in listed if float(s) < float(long_s))
+    listed = conftest.gpu_test_seconds()
+    longest = next(iter(listed))
+    assert listed[longest] == max(listed.values()), "the list is not longest first"
+    shorter = next(test for test, seconds in listed.items() if seconds < listed[longest])
     names = ["tests/test_x.py::a", shorter, "tests/test_x.py::b", longest, "tests/test_x.py::c"]
     items = [SimpleNamespace(nodeid=n) for n in names]
     conftest._longest_first(items)

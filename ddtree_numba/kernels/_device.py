@@ -27,7 +27,7 @@ import threading
 import numpy as np
 from numba import config, cuda
 
-from .._platform import announce_simulator
+from .._platform import announce_simulator, kernel_cache_requested
 from ..arrays import BFLOAT16, array_source
 
 SIMULATOR: bool = bool(config.ENABLE_CUDASIM)
@@ -86,8 +86,30 @@ if SIMULATOR:
 #: includes its closure, pickled, and the pickle of numba's vector types (``float32x4``) follows
 #: Python's string hashing: processes load each other's kernels only under the same
 #: ``PYTHONHASHSEED``; with different seeds they compile their own.
-CACHE_KERNELS: bool = (not SIMULATOR and os.environ.get("DDTREE_KERNEL_CACHE", "0").strip().lower()
-                       not in ("", "0", "false", "no", "off"))
+CACHE_KERNELS: bool = not SIMULATOR and kernel_cache_requested()
+
+
+@contextlib.contextmanager
+def _exclusive(path: str, wait_s: float | None = None):
+    """Hold an exclusive ``flock`` on the file ``path`` (made if missing) for the ``with``
+    block, across processes; a process that dies releases it with its file. ``wait_s``: how
+    long to wait for it, then go on without it (``None``: as long as it takes). On a file
+    system without locks, go on without it."""
+    import fcntl
+    import time
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a") as lock:
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        while deadline is None or time.monotonic() < deadline:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:         # another process holds it: wait
+                time.sleep(0.05)
+            except OSError:                 # a file system without locks: go on without
+                break
+        yield                               # released when the file closes
 
 
 def _serialise_cache_saves():
@@ -98,7 +120,6 @@ def _serialise_cache_saves():
     an exclusive ``flock`` on ``<index>.lock`` around that read-modify-write, and writes the data
     file before the index that names it. So a load (which takes no lock: both files are
     replaced whole) finds, under a name the index gives, that entry's code."""
-    import fcntl
     import itertools
 
     from numba.cuda.core.caching import IndexDataCacheFile
@@ -107,12 +128,7 @@ def _serialise_cache_saves():
         return
 
     def locked_save(self, key, data):
-        os.makedirs(self._cache_path, exist_ok=True)
-        with open(self._index_path + ".lock", "a") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX)    # released when the file closes
-            except OSError:                         # a file system without locks: go on
-                pass
+        with _exclusive(self._index_path + ".lock"):
             overloads = self._load_index()
             name = overloads.get(key)
             if name is None:                        # a new entry: the first free number
@@ -133,29 +149,13 @@ def _serialise_cache_saves():
 COMPILE_WAIT_S = 600.0
 
 
-@contextlib.contextmanager
 def _compiling(folder: str, entry: str):
-    """Hold the lock of one cache entry across processes: an ``flock`` on
-    ``folder/compiling-<hash of entry>.lock``, waited for at most :data:`COMPILE_WAIT_S`
-    seconds (then the caller goes on without it). A process that dies releases it with its
-    file."""
-    import fcntl
+    """The lock of one cache entry (``folder/compiling-<hash of entry>.lock``), waited for at
+    most :data:`COMPILE_WAIT_S` seconds."""
     import hashlib
-    import time
 
     name = hashlib.sha256(entry.encode()).hexdigest()[:24]
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, f"compiling-{name}.lock"), "a") as lock:
-        deadline = time.monotonic() + COMPILE_WAIT_S
-        while time.monotonic() < deadline:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:         # another process holds it: wait
-                time.sleep(0.05)
-            except OSError:                 # a file system without locks: go on without
-                break
-        yield                               # released when the file closes
+    return _exclusive(os.path.join(folder, f"compiling-{name}.lock"), COMPILE_WAIT_S)
 
 
 def _compile_once_across_processes():
