@@ -30,9 +30,8 @@ if ON_GPU and kernel_cache_requested(default=True):
     # this run's own, so that nothing from an earlier version of the code can load
     # (``DDTREE_KERNEL_CACHE=0`` turns it off). Made here, before numba is imported, by the
     # process that starts the ``-n`` workers; they, and the programs the tests start (examples,
-    # the CLI), inherit it through the environment. One hash seed for all of them: the cache
-    # keys of kernels that use numba's vector types depend on it. A run killed by a signal
-    # leaves the directory behind (``ddtree-kernels-*`` in the temporary directory).
+    # the CLI), inherit it through the environment. A run killed by a signal leaves the
+    # directory behind (``ddtree-kernels-*`` in the temporary directory).
     if "DDTREE_TEST_KERNEL_CACHE" not in os.environ:         # the run's first process
         import atexit
         import shutil
@@ -43,7 +42,6 @@ if ON_GPU and kernel_cache_requested(default=True):
                         ignore_errors=True)
     os.environ.update(DDTREE_KERNEL_CACHE="1",
                       NUMBA_CACHE_DIR=os.environ["DDTREE_TEST_KERNEL_CACHE"])
-    os.environ.setdefault("PYTHONHASHSEED", "0")
 
 import pytest  # noqa: E402
 

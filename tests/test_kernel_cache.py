@@ -63,6 +63,37 @@ def test_the_switch_is_off_on_the_simulator():
     assert done.stdout.strip() == "False"
 
 
+# Every cached kernel the build report lists, with its signature: numba's cache key for it
+# (the key's target part left out: it needs a GPU), hashed, one line each.
+KEYS = """
+import hashlib, types
+from ddtree_numba.build_report import kernel_specs
+no_target = types.SimpleNamespace(magic_tuple=lambda: ())
+for spec in kernel_specs():
+    cache = getattr(spec.kernel, "_cache", None)
+    if type(cache).__name__ == "NullCache":
+        continue                                    # the tensor-core kernels: not cached
+    key = repr(cache._index_key(spec.signature, no_target))
+    print(spec.stage, spec.variant, hashlib.sha256(key.encode()).hexdigest())
+"""
+
+
+def test_every_cached_kernel_has_one_key_in_every_process():
+    """Two processes (on numba's real CUDA target, which needs no GPU to make the keys; with
+    different hash seeds) compute the same cache key for every cached kernel. A key pickles the
+    kernel's closure: an ``@intrinsic`` or a ``float32x4`` class a device function in it uses
+    pickles with an identity drawn in the process, and made draft_topk's resident and one-pass
+    kernels and the tiled verify_attn kernels compile in every process that launched them."""
+    keys = []
+    for seed in ("0", "1"):
+        done = run(["-c", KEYS], timeout=600, NUMBA_ENABLE_CUDASIM="0",
+                   DDTREE_KERNEL_CACHE="1", PYTHONHASHSEED=seed)
+        assert done.returncode == 0, done.stderr[-3000:]
+        keys.append(done.stdout.splitlines())
+    assert len(keys[0]) > 40, keys[0]                # (56 on 2026-12-06)
+    assert keys[0] == keys[1], sorted(set(keys[0]) ^ set(keys[1]))
+
+
 # The start of every script run by run_together: ``folder, me = sys.argv[1], sys.argv[2]``,
 # and ``wait_for_go()``, which says this process is ready and waits until the test says go.
 PRELUDE = """
@@ -150,51 +181,62 @@ def test_one_process_compiles_an_entry_while_the_others_wait(tmp_path):
         "another entry waited for this one"
 
 
-# A process of the GPU tests below: draft_topk at one row split across blocks and at whole
-# rows a block, then the cache hits and misses of every kernel it launched, and the ids.
+# A process of the GPU tests below: commit_kv on a one-page cache of float32 and of float16
+# (two entries of one kernel, among the cheapest of the library to compile), then the cache
+# hits and misses of every kernel it launched, and the cache and lengths each call left
+# (each checked against the reference there).
 LAUNCHER = """
 import gc
 import numpy as np
 from numba.cuda.dispatcher import CUDADispatcher
 import ddtree_numba.kernels as K
-rng = np.random.default_rng(0)
-inputs = [rng.standard_normal((bs, 3, 4096)).astype(np.float32) for bs in (1, 8)]
+from ddtree_numba import reference
+table, prefix = np.zeros((1, 1), np.int32), np.array([2], np.int32)
+nodes, accepted = np.array([[0, 3, 5, -1, -1, -1, -1, -1]], np.int32), np.array([2], np.int32)
+caches = [np.arange(16 * 8, dtype=dtype).reshape(1, 16, 8) for dtype in (np.float32, np.float16)]
 wait_for_go()
-ids = [K.draft_topk(logits, 8)[1].copy_to_host().tobytes().hex() for logits in inputs]
+results = []
+for cache in caches:
+    want = cache.copy()
+    want_lengths = reference.commit_kv(want, table, prefix, nodes, accepted)
+    lengths = K.commit_kv(cache, table, prefix, nodes, accepted).copy_to_host()
+    assert cache.tobytes() == want.tobytes() and lengths.tobytes() == want_lengths.tobytes()
+    results.append((cache.tobytes() + lengths.tobytes()).hex())
 kernels = [d for d in gc.get_objects() if isinstance(d, CUDADispatcher)]
 print(sum(sum(d.stats.cache_hits.values()) for d in kernels),
-      sum(sum(d.stats.cache_misses.values()) for d in kernels), *ids)
+      sum(sum(d.stats.cache_misses.values()) for d in kernels), *results)
 """
 
 
 def _launch(tmp_path, processes: int) -> list:
     env = clean_env(DDTREE_KERNEL_CACHE="1", NUMBA_CACHE_DIR=str(tmp_path / "cache"),
-                    PYTHONHASHSEED="0", NUMBA_ENABLE_CUDASIM="0")
+                    NUMBA_ENABLE_CUDASIM="0")
     outputs = run_together([LAUNCHER] * processes, tmp_path, env, timeout=600)
     (tmp_path / "go").unlink()
     for i in range(processes):
         (tmp_path / f"ready-{i}").unlink()
-    return [(int(hits), int(misses), ids) for hits, misses, *ids in map(str.split, outputs)]
+    return [(int(hits), int(misses), results) for hits, misses, *results in map(str.split, outputs)]
 
 
 @pytest.mark.gpu
 def test_processes_started_together_compile_each_kernel_once(tmp_path):
     """Two processes launch the same kernels at the same moment with an empty cache: each
     kernel is compiled by one of them and loaded by the other (without the compile lock both
-    would compile every kernel); the ids are the same."""
-    (hits_a, misses_a, ids_a), (hits_b, misses_b, ids_b) = _launch(tmp_path, 2)
-    assert misses_a + misses_b > 0 and hits_a + hits_b == misses_a + misses_b
-    assert ids_a == ids_b
+    would compile every kernel); both get the reference's bits."""
+    (hits_a, misses_a, results_a), (hits_b, misses_b, results_b) = _launch(tmp_path, 2)
+    counts = f"hits {hits_a} and {hits_b}, misses {misses_a} and {misses_b}"
+    assert misses_a + misses_b == 2 and hits_a + hits_b == 2, counts
+    assert results_a == results_b
 
 
 @pytest.mark.gpu
 def test_a_kernel_compiled_in_one_process_loads_in_the_next(tmp_path):
-    """The same draft_topk calls in two fresh processes, one after the other, sharing one
+    """The same commit_kv calls in two fresh processes, one after the other, sharing one
     cache directory: the first compiles and stores, the second loads every kernel it launches
-    (no miss) and gets the same ids."""
-    [(hits1, misses1, ids1)] = _launch(tmp_path, 1)
-    [(hits2, misses2, ids2)] = _launch(tmp_path, 1)
-    assert misses1 > 0 and hits1 == 0
-    assert hits2 == misses1 and misses2 == 0
-    assert ids2 == ids1
+    (no miss); both get the reference's bits."""
+    [(hits1, misses1, results1)] = _launch(tmp_path, 1)
+    [(hits2, misses2, results2)] = _launch(tmp_path, 1)
+    counts = f"hits {hits1} then {hits2}, misses {misses1} then {misses2}"
+    assert (hits1, misses1) == (0, 2) and (hits2, misses2) == (2, 0), counts
+    assert results2 == results1
     assert list((tmp_path / "cache").rglob("*.nbc")), "nothing was stored"

@@ -83,9 +83,10 @@ if SIMULATOR:
 #: modules (device functions, constants such as ``limits.MAX_NODES``) and its ``jit`` options
 #: are not checked, so after editing the package, empty the directory. The tensor-core kernels
 #: are not cached (numba cannot store a kernel that links CUDA C++). A kernel's cache key
-#: includes its closure, pickled, and the pickle of numba's vector types (``float32x4``) follows
-#: Python's string hashing: processes load each other's kernels only under the same
-#: ``PYTHONHASHSEED``; with different seeds they compile their own.
+#: includes its closure, pickled with the globals of the device functions it holds: none of
+#: them may be an object that pickles with an identity of its process (an ``@intrinsic`` made
+#: by numba's decorator, a vector class such as ``float32x4``), or no other process would
+#: ever load that kernel (``_primitives.intrinsic``; ``tests/test_kernel_cache.py`` checks it).
 CACHE_KERNELS: bool = not SIMULATOR and kernel_cache_requested()
 
 

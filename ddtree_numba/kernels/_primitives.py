@@ -110,9 +110,26 @@ if SIMULATOR:
         raise NotImplementedError("warp_max_u32 needs a GPU (redux.sync)")
 
 else:
+    import uuid
+
     from llvmlite import ir
     from numba import types
-    from numba.cuda.extending import intrinsic
+    from numba.cuda.extending import intrinsic as numba_intrinsic
+
+    def intrinsic(definition):
+        """numba's ``@intrinsic``, with one identity in every process. numba pickles an
+        intrinsic with a ``uuid1`` drawn in the process, and its on-disk cache keys a kernel by
+        a pickle of the kernel's closure, which takes in the device functions the closure holds
+        and the globals they use. So every kernel made by a factory whose device functions
+        call one of these (draft_topk's resident and filtered kernels, for one) had a key of
+        its own in every process: with ``DDTREE_KERNEL_CACHE=1`` no process ever loaded
+        another's compilation of it, and none waited for another compiling it. The identity
+        here comes from the module and name instead (``_set_uuid``: numba-cuda 0.30 has no
+        public way to give it; ``tests/test_kernel_cache.py`` checks the keys)."""
+        made = numba_intrinsic(definition)
+        name = f"{definition.__module__}.{definition.__qualname__}"
+        made._set_uuid(str(uuid.uuid5(uuid.NAMESPACE_URL, f"ddtree_numba:{name}")))
+        return made
 
     @cuda.jit(device=True, inline="always")
     def bits_to_float(bits):

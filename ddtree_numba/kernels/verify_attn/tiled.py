@@ -91,7 +91,6 @@ import math
 
 import numpy as np
 from numba import cuda, float32, uint32, uint64
-from numba.cuda import float32x4
 
 from ...limits import MAX_DC
 from .._device import CACHE_KERNELS, SIMULATOR
@@ -114,10 +113,15 @@ ACC = 64                # 4 rows x 16 columns of O per thread (local-array sizes
 SCORES = 16             # 4 rows x 4 slots of S per thread
 if SIMULATOR:   # the simulator has no vector element type: the tiled variant needs a GPU
     F32X4 = None
-else:           # the element type of float32x4 arrays (float32x4 itself builds values)
+else:           # the element type of float32x4 arrays (cuda.float32x4 itself builds values)
     from numba.cuda.vector_types import vector_types
 
     F32X4 = vector_types["float32x4"]
+# Values are built as ``cuda.float32x4(...)``, never through a global ``float32x4``: numba's
+# on-disk cache keys a kernel by a pickle of its closure, which takes in the globals of the
+# device functions it holds, and the ``float32x4`` class pickles by value under an identity
+# drawn in each process, so no process would load another's compilation of these kernels
+# (the module ``cuda`` pickles by name). tests/test_kernel_cache.py checks the keys.
 
 
 @cuda.jit(device=True, inline="always")
@@ -140,7 +144,7 @@ def _finite(x):
 @cuda.jit(device=True, inline="always")
 def _finite4(v):
     """``v`` with every value that is not finite (NaN, +-inf) replaced by 0."""
-    return float32x4(_finite(v.x), _finite(v.y), _finite(v.z), _finite(v.w))
+    return cuda.float32x4(_finite(v.x), _finite(v.y), _finite(v.z), _finite(v.w))
 
 
 @cuda.jit(device=True, inline="always")
@@ -264,7 +268,7 @@ def _make_tiled_kernel(kind: str):
             half = row_off + (uint64(d) >> uint64(1))
             w0 = flat[half] if ok and d < width else uint64(0)
             w1 = flat[half + uint64(1)] if ok and d + 2 < width else uint64(0)
-            return float32x4(bits_to_float(uint32(w0 & uint64(0xFFFFFFFF))),
+            return cuda.float32x4(bits_to_float(uint32(w0 & uint64(0xFFFFFFFF))),
                              bits_to_float(uint32(w0 >> uint64(32))),
                              bits_to_float(uint32(w1 & uint64(0xFFFFFFFF))),
                              bits_to_float(uint32(w1 >> uint64(32))))
@@ -272,11 +276,11 @@ def _make_tiled_kernel(kind: str):
             half = row_off + (uint64(d) >> uint64(1))
             w0 = flat[half] if ok and d < width else uint32(0)
             w1 = flat[half + uint64(1)] if ok and d + 2 < width else uint32(0)
-            return float32x4(bits_to_float(w0), bits_to_float(w1), float32(0.0), float32(0.0))
+            return cuda.float32x4(bits_to_float(w0), bits_to_float(w1), float32(0.0), float32(0.0))
         v = cuda.local.array(4, float32)
         for e in range(4):
             v[e] = widen1(flat[row_off + uint64(d + e)]) if ok and d + e < width else float32(0.0)
-        return float32x4(v[0], v[1], v[2], v[3])
+        return cuda.float32x4(v[0], v[1], v[2], v[3])
 
     @cuda.jit(device=True, inline="always")
     def widen4(v):
@@ -284,7 +288,7 @@ def _make_tiled_kernel(kind: str):
         if packed:
             lo0, hi0 = _unpack_bf16x2(float_to_bits(v.x))
             lo1, hi1 = _unpack_bf16x2(float_to_bits(v.y))
-            return float32x4(lo0, hi0, lo1, hi1)
+            return cuda.float32x4(lo0, hi0, lo1, hi1)
         return v
 
     @cuda.jit(device=True, inline="always")
@@ -297,7 +301,7 @@ def _make_tiled_kernel(kind: str):
             if ok and dd < D:
                 x = ql_flat[off_l + uint64(dd)] if dd < Dc else qr_flat[off_r + uint64(dd - Dc)]
             v[e] = x
-        return float32x4(v[0], v[1], v[2], v[3])
+        return cuda.float32x4(v[0], v[1], v[2], v[3])
 
     @cuda.jit(device=True, inline="always")
     def fetch_c(flat, slot_off, t_valid, sub, Dc, tid, c_next):
@@ -431,7 +435,7 @@ def _make_tiled_kernel(kind: str):
             #                                     whose buffer now receives P^T
             # raw dot products to P^T: one vector = 4 rows of a quad at one slot
             for k in range(4):
-                k_s[(32 * (warp % 4) + lane_b + 8 * k) * ROW4 + quad] = float32x4(
+                k_s[(32 * (warp % 4) + lane_b + 8 * k) * ROW4 + quad] = cuda.float32x4(
                     score[k], score[4 + k], score[8 + k], score[12 + k])
             cuda.syncthreads()                  # the whole score tile is in P^T
             # 2. mask and scale; 3. online softmax. Warp w holds quad w: 4 rows x 128 slots
@@ -451,10 +455,10 @@ def _make_tiled_kernel(kind: str):
             _softmax_row(soft, m, l, alpha, 3, soft_row + 12, H, NH, n, bits, b, t0, t_end, P,
                          lane, sm_scale)
             for k in range(4):                  # each lane rewrites the vectors it read
-                k_s[(lane + 32 * k) * ROW4 + warp] = float32x4(soft[k], soft[4 + k],
+                k_s[(lane + 32 * k) * ROW4 + warp] = cuda.float32x4(soft[k], soft[4 + k],
                                                                soft[8 + k], soft[12 + k])
             if lane == 0:
-                alpha_s[warp] = float32x4(alpha[0], alpha[1], alpha[2], alpha[3])
+                alpha_s[warp] = cuda.float32x4(alpha[0], alpha[1], alpha[2], alpha[3])
             cuda.syncthreads()                  # probabilities and factors published
             # 4. O += P C, 8 slots at a time; each thread updates 4 rows x 16 columns: per slot
             # one vector of P (its quad) and 4 vectors of C feed 64 FMAs
@@ -486,7 +490,7 @@ def _make_tiled_kernel(kind: str):
         _finish_row(m, l, alpha, 2, soft_row + 8, NH, lane, part_lse, split, b)
         _finish_row(m, l, alpha, 3, soft_row + 12, NH, lane, part_lse, split, b)
         if lane == 0:
-            alpha_s[warp] = float32x4(alpha[0], alpha[1], alpha[2], alpha[3])
+            alpha_s[warp] = cuda.float32x4(alpha[0], alpha[1], alpha[2], alpha[3])
         cuda.syncthreads()                      # 1 / l of every row published
         inv = alpha_s[quad]
         for r in range(4):
