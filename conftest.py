@@ -86,10 +86,22 @@ def gpu_test_seconds() -> dict:
 
 def _longest_first(items) -> None:
     """On the GPU, start the tests measured longest first (longest-processing-time order: a
-    four-minute test dealt out last would run alone at the end); the others follow in their
-    usual order. Every worker sorts the same collection the same way, as xdist requires."""
+    four-minute test dealt out last would run alone at the end), each followed by one of the
+    others. pytest-xdist keeps a second test queued behind the one a worker runs (it hands each
+    worker two at the start, then one more each time one ends): in plain longest-first order
+    the two longest tests went to one worker, one after the other, and each later long test
+    waited behind another. With a short test after each long one, the test queued behind a
+    long one is short, and the next long test goes to the first worker to finish one.
+    Replaying the 2026-12-06 H100 run's durations: 700 s in plain order, 590 s this way.
+    Every worker sorts the same collection the same way, as xdist requires."""
     seconds = gpu_test_seconds()
-    items.sort(key=lambda item: -seconds.get(item.nodeid, 0.0))     # a stable sort
+    long = sorted((item for item in items if item.nodeid in seconds),
+                  key=lambda item: -seconds[item.nodeid])
+    short = [item for item in items if item.nodeid not in seconds]
+    order = []
+    for i, item in enumerate(long):
+        order += [item, *short[i:i + 1]]
+    items[:] = order + short[len(long):]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -26,11 +26,11 @@ then
     # The whole suite (about 2 000 tests) with 16 workers on a 16-core host. Most of its time
     # is numba compiling kernels: conftest.py turns numba's on-disk kernel cache on in a fresh
     # directory, so that a kernel one worker compiled loads in the others, and starts the tests
-    # measured longest first (tests/gpu_test_seconds.tsv). suite_timeline.py writes a line a
-    # test as it finishes: $OUT/suite_timeline.tsv, summed up by
-    # `python benchmarks/suite_timeline.py FILE`. On 2026-12-06 a fresh H100 ran 1 542 tests
-    # in 554 s this way, before as_device stopped numba from walking every element of the
-    # toy's stride-0 weights (80 of a GPU-toy test's 245 s). `tests` runs it as one command
+    # measured longest first, each followed by a short one (tests/gpu_test_seconds.tsv).
+    # suite_timeline.py writes a line a test as it finishes: $OUT/suite_timeline.tsv, summed
+    # up by `python benchmarks/suite_timeline.py FILE`. On 2026-12-06 a fresh H100 ran 2 028 of
+    # 2 029 tests in 575 s this way, before every cached kernel got one key in every process
+    # (benchmarks/NOTES.md, "Three more runs"). `tests` runs it as one command
     # (TESTS_LIMIT seconds, an hour by default; 580 where the device tool allows 600 s a
     # command); tests-a, tests-b and tests-c split it into three, the files of whole steps
     # and examples first (xdist hands out one test at a time as workers finish: conftest.py).

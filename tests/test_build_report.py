@@ -4,8 +4,8 @@ that would not fit.
 
 Compiling needs numba's real CUDA target (not the simulator this test session runs on), so the
 compilations run in a subprocess with ``NUMBA_ENABLE_CUDASIM=0``. No GPU is needed. On the
-simulator (CI: 2 cores) the report covers sm_120 alone, the target; with ``DDTREE_GPU=1`` it
-covers sm_90 too, the H200's, whose every kernel the GPU suite also launches.
+simulator (CI, at every commit) the report covers sm_120, the target; with ``DDTREE_GPU=1``
+it covers sm_90, the H100's and H200's, whose every kernel that run also launches.
 """
 
 import json
@@ -19,8 +19,11 @@ from scripts import ROOT, run_real_target
 # CPU minutes, most of it numba inlining device functions (docs/sm120.md); beside the other
 # tests of a CI run on 2 cores the fixture took 676 s on 2026-12-05.
 REPORT_TIMEOUT_S = 1500
-# sm_120, the target, everywhere; sm_90 too where a GPU (and its host's cores) runs the suite
-TARGETS = ("12.0", "9.0") if os.environ.get("DDTREE_GPU", "0") == "1" else ("12.0",)
+# sm_120, the target, on the simulator (CI); sm_90 where an H100 or H200 runs the suite. One
+# target a run: the report is 59 compilations a target, and on a GPU host its processes
+# compete for the cores with the suite's 16 workers (with both targets there, its test took
+# 263 s and held 16 more cores busy for much of it, on 2026-12-06).
+TARGETS = ("9.0",) if os.environ.get("DDTREE_GPU", "0") == "1" else ("12.0",)
 
 
 def run_report(args, code=None):
@@ -48,7 +51,7 @@ def report_rows():
     return rows
 
 
-def test_every_kernel_compiles_for_sm120(report_rows):
+def test_every_kernel_compiles_for_each_target(report_rows):
     assert {row["cc"] for row in report_rows} == set(TARGETS)
     stages = {row["stage"] for row in report_rows}
     assert stages == {"build_tree", "draft_topk", "tree_accept", "accept_commit", "tree_sample",

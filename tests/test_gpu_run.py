@@ -1,5 +1,5 @@
-"""The GPU test run's order (``conftest.py``): the tests measured longest start first, and the
-list it reads names tests that exist."""
+"""The GPU test run's order (``conftest.py``): the tests measured longest start first, each
+followed by a short one, and the list it reads names tests that exist."""
 
 from __future__ import annotations
 
@@ -31,12 +31,20 @@ def test_the_list_names_tests_that_exist():
     assert not missing, f"listed in {conftest.GPU_TEST_SECONDS} but not found: {missing}"
 
 
-def test_longest_listed_tests_go_first_and_the_rest_keep_their_order():
+def test_longest_listed_tests_go_first_each_followed_by_another_and_the_rest_keep_order():
+    """xdist queues a worker's next test behind the one it runs: a short test follows each
+    long one, so that no long test waits behind another."""
     listed = conftest.gpu_test_seconds()
     longest = next(iter(listed))
     assert listed[longest] == max(listed.values()), "the list is not longest first"
     shorter = next(test for test, seconds in listed.items() if seconds < listed[longest])
-    names = ["tests/test_x.py::a", shorter, "tests/test_x.py::b", longest, "tests/test_x.py::c"]
+    names = ["tests/test_x.py::a", shorter, "tests/test_x.py::b", longest, "tests/test_x.py::c",
+             "tests/test_x.py::d"]
     items = [SimpleNamespace(nodeid=n) for n in names]
     conftest._longest_first(items)
-    assert [i.nodeid for i in items] == [longest, shorter, *(n for n in names if "test_x" in n)]
+    assert [i.nodeid for i in items] == [longest, "tests/test_x.py::a", shorter,
+                                         "tests/test_x.py::b", "tests/test_x.py::c",
+                                         "tests/test_x.py::d"]
+    few = [SimpleNamespace(nodeid=n) for n in (shorter, longest)]      # no short test left
+    conftest._longest_first(few)
+    assert [i.nodeid for i in few] == [longest, shorter]
