@@ -68,8 +68,8 @@ def pytest_configure(config):
         config.option.maxschedchunk = 1
 
 
-#: Tests measured to take 20 s or more on the GPU (``seconds<TAB>test id``), written by
-#: ``benchmarks/suite_timeline.py --long 20`` from a whole run.
+#: Tests measured to take 10 s or more on the GPU (``seconds<TAB>test id``), written by
+#: ``benchmarks/suite_timeline.py --long 10`` from whole runs.
 GPU_TEST_SECONDS = os.path.join(os.path.dirname(__file__), "tests", "gpu_test_seconds.tsv")
 
 
@@ -92,7 +92,9 @@ def _longest_first(items) -> None:
     the two longest tests went to one worker, one after the other, and each later long test
     waited behind another. With a short test after each long one, the test queued behind a
     long one is short, and the next long test goes to the first worker to finish one.
-    Replaying the 2026-12-06 H100 run's durations: 700 s in plain order, 590 s this way.
+    Replaying a 2026-12-06 H100 run's durations through xdist's dealing, with a list made
+    from an earlier run: 700 s in plain longest-first order, 590 s this way (502 s with
+    the run's own durations as the list; their mean over 16 workers was 499 s).
     Every worker sorts the same collection the same way, as xdist requires."""
     seconds = gpu_test_seconds()
     long = sorted((item for item in items if item.nodeid in seconds),

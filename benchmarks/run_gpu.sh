@@ -29,8 +29,8 @@ then
     # measured longest first, each followed by a short one (tests/gpu_test_seconds.tsv).
     # suite_timeline.py writes a line a test as it finishes: $OUT/suite_timeline.tsv, summed
     # up by `python benchmarks/suite_timeline.py FILE`. On 2026-12-06 a fresh H100 ran 2 028 of
-    # 2 029 tests in 575 s this way, before every cached kernel got one key in every process
-    # (benchmarks/NOTES.md, "Three more runs"). `tests` runs it as one command
+    # 2 029 tests in 575 s in plain longest-first order, before every cached kernel got one key
+    # in every process (benchmarks/NOTES.md, "Three more runs"). `tests` runs it as one command
     # (TESTS_LIMIT seconds, an hour by default; 580 where the device tool allows 600 s a
     # command); tests-a, tests-b and tests-c split it into three, the files of whole steps
     # and examples first (xdist hands out one test at a time as workers finish: conftest.py).

@@ -125,10 +125,13 @@ else:
         its own in every process: with ``DDTREE_KERNEL_CACHE=1`` no process ever loaded
         another's compilation of it, and none waited for another compiling it. The identity
         here comes from the module and name instead (``_set_uuid``: numba-cuda 0.30 has no
-        public way to give it; ``tests/test_kernel_cache.py`` checks the keys)."""
+        public way to give it; ``tests/test_kernel_cache.py`` checks the keys). A numba-cuda
+        without that method keeps its own identity: kernels still compile and run, each
+        process compiling its own."""
         made = numba_intrinsic(definition)
-        name = f"{definition.__module__}.{definition.__qualname__}"
-        made._set_uuid(str(uuid.uuid5(uuid.NAMESPACE_URL, f"ddtree_numba:{name}")))
+        if callable(getattr(made, "_set_uuid", None)):
+            name = f"{definition.__module__}.{definition.__qualname__}"
+            made._set_uuid(str(uuid.uuid5(uuid.NAMESPACE_URL, f"ddtree_numba:{name}")))
         return made
 
     @cuda.jit(device=True, inline="always")

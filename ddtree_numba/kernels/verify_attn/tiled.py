@@ -121,7 +121,9 @@ else:           # the element type of float32x4 arrays (cuda.float32x4 itself bu
 # on-disk cache keys a kernel by a pickle of its closure, which takes in the globals of the
 # device functions it holds, and the ``float32x4`` class pickles by value under an identity
 # drawn in each process, so no process would load another's compilation of these kernels
-# (the module ``cuda`` pickles by name). tests/test_kernel_cache.py checks the keys.
+# (the module ``cuda`` pickles by name). ``F32X4`` is such an object too: only the kernel's
+# own body uses it (its globals are not in the key), never a device function the kernel's
+# closure holds. tests/test_kernel_cache.py checks the keys.
 
 
 @cuda.jit(device=True, inline="always")
