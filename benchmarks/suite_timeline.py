@@ -16,9 +16,10 @@ started the workers gets every test's report and writes the line:
 
 ``python suite_timeline.py FILE`` sums such a file up: per test file, the tests, their seconds,
 and how many of those seconds were compiling; then the kernels that took longest to compile.
-``python suite_timeline.py FILE --long S`` prints ``seconds<TAB>test_id`` for the tests that
-took at least S seconds, longest first: ``tests/gpu_test_seconds.tsv``, from which conftest.py
-starts the longest tests first on the GPU.
+``python suite_timeline.py FILE [FILE ...] --long S`` prints ``seconds<TAB>test_id`` for the
+tests that took at least S seconds, longest first, a test's time from the last file that has
+it (a run cut off by a limit leaves some tests out): ``tests/gpu_test_seconds.tsv``, from which
+conftest.py starts the longest tests first on the GPU.
 """
 
 from __future__ import annotations
@@ -146,15 +147,17 @@ def summarise(path: str) -> None:
             print(f"  {name}: {len(times)}x, " + " ".join(f"{t:.0f}" for t in sorted(times)))
 
 
-def long_tests(path: str, at_least: float) -> None:
-    """``seconds<TAB>test_id`` for the tests of at least ``at_least`` seconds, longest first."""
-    rows = [(float(f[3]), f[8]) for f in _lines(path) if float(f[3]) >= at_least]
-    for seconds, test in sorted(rows, key=lambda r: (-r[0], r[1])):
-        print(f"{seconds:.0f}\t{test}")
+def long_tests(paths: list, at_least: float) -> None:
+    """``seconds<TAB>test_id`` for the tests of at least ``at_least`` seconds, longest first; a
+    test in several files gets its time from the last."""
+    seconds = {f[8]: float(f[3]) for path in paths for f in _lines(path)}
+    rows = [(s, test) for test, s in seconds.items() if s >= at_least]
+    for s, test in sorted(rows, key=lambda r: (-r[0], r[1])):
+        print(f"{s:.0f}\t{test}")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[2] == "--long":
-        long_tests(sys.argv[1], float(sys.argv[3]))
+    if len(sys.argv) >= 4 and sys.argv[-2] == "--long":
+        long_tests(sys.argv[1:-2], float(sys.argv[-1]))
     else:
         summarise(sys.argv[1])
