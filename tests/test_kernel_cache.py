@@ -1,6 +1,7 @@
 """The on-disk kernel cache (``DDTREE_KERNEL_CACHE=1``, ``kernels/_device.py``): every kernel
-takes the switch, it stays off on the simulator, concurrent saves keep every entry, and on the
-GPU a kernel compiled in one process loads in the next."""
+takes the switch, it stays off on the simulator, every cached kernel has one key in every
+process, concurrent saves keep every entry, one process compiles an entry while the others
+wait, and on the GPU a kernel compiled in one process loads in the others."""
 
 from __future__ import annotations
 
