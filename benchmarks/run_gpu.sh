@@ -28,11 +28,10 @@ then
     # directory, so that a kernel one worker compiled loads in the others, and starts the tests
     # measured longest first, each followed by a short one (tests/gpu_test_seconds.tsv).
     # suite_timeline.py writes a line a test as it finishes: $OUT/suite_timeline.tsv, summed
-    # up by `python benchmarks/suite_timeline.py FILE`. On 2026-12-06 a fresh H100 ran 2 028 of
-    # 2 029 tests in 575 s in plain longest-first order, before every cached kernel got one key
-    # in every process (benchmarks/NOTES.md, "Three more runs"). `tests` runs it as one command
-    # (TESTS_LIMIT seconds, an hour by default; 580 where the device tool allows 600 s a
-    # command); tests-a, tests-b and tests-c split it into three, the files of whole steps
+    # up by `python benchmarks/suite_timeline.py FILE`. On 2026-12-06 a fresh H100 ran the whole
+    # suite in 438 s, 1 945 passed and 85 skipped (benchmarks/NOTES.md, "Run 4"). `tests` runs
+    # it as one command (TESTS_LIMIT seconds, an hour by default; 580 where the device tool
+    # allows 600 s a command); tests-a, tests-b and tests-c split it into three, the files of whole steps
     # and examples first (xdist hands out one test at a time as workers finish: conftest.py).
     first_a="tests/test_examples.py tests/test_greedy_step.py"
     first_c="tests/test_sampled_step.py tests/test_tree_sample_lossless.py
