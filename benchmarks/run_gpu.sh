@@ -31,8 +31,9 @@ then
     # up by `python benchmarks/suite_timeline.py FILE`. On 2026-12-06 a fresh H100 ran the whole
     # suite in 438 s, 1 945 passed and 85 skipped (benchmarks/NOTES.md, "Run 4"). `tests` runs
     # it as one command (TESTS_LIMIT seconds, an hour by default; 580 where the device tool
-    # allows 600 s a command); tests-a, tests-b and tests-c split it into three, the files of whole steps
-    # and examples first (xdist hands out one test at a time as workers finish: conftest.py).
+    # allows 600 s a command); tests-a, tests-b and tests-c split it into three, the files of
+    # whole steps and examples first (xdist hands out one test at a time as workers finish:
+    # conftest.py).
     first_a="tests/test_examples.py tests/test_greedy_step.py"
     first_c="tests/test_sampled_step.py tests/test_tree_sample_lossless.py
              tests/test_deepseek_v3.py tests/test_verify_attn.py tests/test_build_tree.py"
