@@ -271,9 +271,9 @@ def _make_tiled_kernel(kind: str):
             w0 = flat[half] if ok and d < width else uint64(0)
             w1 = flat[half + uint64(1)] if ok and d + 2 < width else uint64(0)
             return cuda.float32x4(bits_to_float(uint32(w0 & uint64(0xFFFFFFFF))),
-                             bits_to_float(uint32(w0 >> uint64(32))),
-                             bits_to_float(uint32(w1 & uint64(0xFFFFFFFF))),
-                             bits_to_float(uint32(w1 >> uint64(32))))
+                                  bits_to_float(uint32(w0 >> uint64(32))),
+                                  bits_to_float(uint32(w1 & uint64(0xFFFFFFFF))),
+                                  bits_to_float(uint32(w1 >> uint64(32))))
         if packed:
             half = row_off + (uint64(d) >> uint64(1))
             w0 = flat[half] if ok and d < width else uint32(0)
@@ -458,7 +458,7 @@ def _make_tiled_kernel(kind: str):
                          lane, sm_scale)
             for k in range(4):                  # each lane rewrites the vectors it read
                 k_s[(lane + 32 * k) * ROW4 + warp] = cuda.float32x4(soft[k], soft[4 + k],
-                                                               soft[8 + k], soft[12 + k])
+                                                                    soft[8 + k], soft[12 + k])
             if lane == 0:
                 alpha_s[warp] = cuda.float32x4(alpha[0], alpha[1], alpha[2], alpha[3])
             cuda.syncthreads()                  # probabilities and factors published
